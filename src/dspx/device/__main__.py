@@ -1,0 +1,40 @@
+"""``python -m dspx.device``: run the device service (what ``dspx serve`` runs)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import memory
+from ..transport import default_socket_path
+from .service import Service
+
+
+def parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t, 0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="dspx-device", description="simulated DSP device service")
+    ap.add_argument("--socket", default=None, help="socket path (default: $DSPX_SOCKET or the per-user path)")
+    ap.add_argument("--carveout-size", type=parse_size, default=memory.CARVEOUT_SIZE)
+    ap.add_argument("--ddr-pool-size", type=parse_size, default=memory.DDR_POOL_SIZE)
+    ap.add_argument("--cores", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="threads per core (default: cpus / cores)")
+    ap.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    if a.cores < 1:
+        ap.error("--cores must be at least 1")
+    log = (lambda *m: None) if a.quiet else (lambda *m: print("dspx-device:", *m, file=sys.stderr, flush=True))
+    svc = Service(a.socket or default_socket_path(), a.carveout_size, a.ddr_pool_size, a.cores, a.threads,
+                  a.parent_pid, log)
+    svc.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Typed host-side exceptions: each names the status and carries the numbers
+a caller needs to act (requested/free/total, result_required, declared vs
+allocated)."""
+from __future__ import annotations
+
+import errno
+
+from .protocol import Status
+
+
+class DspxError(Exception):
+    """Base of every dspx error."""
+
+
+class DeviceLost(DspxError, ConnectionError):
+    """The device closed the channel or died while a call was waiting."""
+
+
+class DeviceTimeout(DspxError, TimeoutError):
+    """No answer from the device within the call's timeout."""
+
+
+class VersionMismatch(DspxError):
+    def __init__(self, host: int, device: int):
+        from .protocol import version_str
+        super().__init__(f"protocol major version mismatch: host speaks {version_str(host)}, "
+                         f"device speaks {version_str(device)}")
+        self.host, self.device = host, device
+
+
+class CapacityError(DspxError, OSError):
+    """Input over the declared input_buf capacity (EFBIG), caught before staging."""
+
+    def __init__(self, requested: int, capacity: int, what: str = "input"):
+        OSError.__init__(self, errno.EFBIG, f"{what} needs {requested} bytes but input_buf holds {capacity} "
+                                            f"(EFBIG); call reserve_io() before the first inference")
+        self.requested, self.capacity = requested, capacity
+
+
+class CapacityLocked(DspxError):
+    """reserve_io() after capacity was locked by first successful use."""
+
+
+class CapacityWarning(UserWarning):
+    """An io_meta declaration that could not be met in full (advisory)."""
+
+
+class DeviceError(DspxError):
+    """A request the device answered with a failure status."""
+
+    status: int = Status.ERR_GENERIC
+
+    def __init__(self, status: int, message: str = "", request: str = "", **numbers):
+        self.status = status
+        self.status_name = Status.name_of(status)
+        self.request = request
+        self.detail = message
+        self.numbers = numbers
+        for k, v in numbers.items():
+            setattr(self, k, v)
+        text = f"{self.status_name} ({status})"
+        if request:
+            text += f" on {request}"
+        if message:
+            text += f": {message}"
+        nums = ", ".join(f"{k}={v}" for k, v in numbers.items() if v)
+        if nums:
+            text += f" [{nums}]"
+        super().__init__(text)
+
+
+class InvalidRequest(DeviceError): pass
+class OutOfMemory(DeviceError): pass
+class Busy(DeviceError): pass
+class TaskTimeout(DeviceError): pass
+class BadAddress(DeviceError): pass
+class OutputTooSmall(DeviceError): pass
+class UnknownOp(DeviceError): pass
+class ModuleLoadError(DeviceError): pass
+class MissingSymbol(DeviceError): pass
+class CallFailed(DeviceError): pass
+class BadHandle(DeviceError): pass
+class BadWeights(DeviceError): pass
+class BadTensor(DeviceError): pass
+
+
+_BY_STATUS = {
+    Status.ERR_INVALID: InvalidRequest, Status.ERR_NOMEM: OutOfMemory, Status.ERR_BUSY: Busy,
+    Status.ERR_TIMEOUT: TaskTimeout, Status.ERR_ADDR: BadAddress, Status.ERR_SIZE: OutputTooSmall,
+    Status.ERR_OP: UnknownOp, Status.ERR_LOAD: ModuleLoadError, Status.ERR_SYMBOL: MissingSymbol,
+    Status.ERR_CALL: CallFailed, Status.ERR_HANDLE: BadHandle, Status.ERR_WEIGHTS: BadWeights,
+    Status.ERR_TENSOR: BadTensor,
+}
+
+
+def device_error(status: int, message: str = "", request: str = "", **numbers) -> DeviceError:
+    return _BY_STATUS.get(status, DeviceError)(status, message, request, **numbers)

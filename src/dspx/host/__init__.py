@@ -1,0 +1,1 @@
+"""Host side: what applications import."""

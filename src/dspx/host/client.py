@@ -1,0 +1,446 @@
+"""The host client: one connection to a device, its dmabufs and its session.
+
+``Client`` opens the channel (starting a private simulated device when none
+is running), checks the protocol version, attaches the staging buffer (first,
+so it lands at the window base with the KV region at its end) and the printf
+ring, and then offers the calls of the protocol with typed errors.  Every
+wait has a timeout; a device that dies raises ``DeviceLost``.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+from .. import memory, protocol as P
+from ..errors import (CapacityError, CapacityLocked, CapacityWarning, DeviceLost, DeviceTimeout,
+                      DspxError, VersionMismatch, device_error)
+from ..memory import DmaBuf
+from ..protocol import Status
+from ..transport import PeerClosed, Timeout, TransportError, connect
+from . import launcher
+
+ATTACH_STAGING = 1
+DEFAULT_TIMEOUT = 60.0
+
+
+@dataclass
+class LoadedModule:
+    handle: int
+    text_size: int
+    data_size: int
+    io_input_bytes: int
+    io_output_bytes: int
+    io_num_inputs: int
+    io_num_outputs: int
+    io_flags: int
+
+
+@dataclass
+class InferResult:
+    cycles: int
+    descs: list
+    printf: str
+    return_value: int = 0
+
+
+class Client:
+    """A session with the device.  Use as a context manager."""
+
+    def __init__(self, socket: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+                 staging_size: int = memory.STAGING_SIZE, kv_size: int = memory.KV_SIZE,
+                 printf_size: int = memory.PRINTF_SIZE, cores: int = 1, device_args=()):
+        self.timeout = timeout
+        self._seq = itertools.count(1)
+        self._lock = threading.RLock()
+        self._stash: dict[int, tuple[P.Message, float]] = {}
+        self.device: launcher.PrivateDevice | None = None
+        path, self.device = launcher.resolve(socket, cores=cores, extra_args=device_args)
+        self.socket_path = path
+        try:
+            self.ep = connect(path, timeout=min(timeout, 10.0))
+        except TransportError as e:
+            self._stop_device()
+            raise DeviceLost(str(e)) from None
+        self.bufs: list[DmaBuf] = []
+        self.staging: DmaBuf | None = None
+        self.kv_size = 0
+        self.printf_buf: DmaBuf | None = None
+        self._printf_read = 0
+        self.input_buf: DmaBuf | None = None
+        self.output_buf: DmaBuf | None = None
+        self.input_data_offset = 0
+        self._create_input_end = 0
+        self.io_locked = False
+        self._closed = False
+        try:
+            pong = self.request(P.Ping())
+            if (pong.version >> 16) != (P.VERSION >> 16):
+                raise VersionMismatch(P.VERSION, pong.version)
+            self.device_version = pong.version
+            if staging_size:
+                self.staging = self.attach(DmaBuf(staging_size + kv_size, "dspx-staging"), staging=True,
+                                           kv_size=kv_size)
+                self.kv_size = kv_size
+            if printf_size:
+                self.printf_buf = self.attach(DmaBuf(printf_size, "dspx-printf"))
+                self.request(P.SetPrintfBuf(printf_dsp_addr=self.printf_buf.dsp_addr, printf_size=printf_size))
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------- plumbing
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def send(self, msg: P.Message, fds=()) -> int:
+        """Send a request; return its seq (for ``wait``)."""
+        if self._closed:
+            raise DspxError("client is closed")
+        msg.seq = next(self._seq) & 0xFFFFFFFF
+        try:
+            self.ep.send(msg.encode(), fds)
+        except PeerClosed as e:
+            raise DeviceLost(f"device closed the connection: {e}") from None
+        return msg.seq
+
+    def wait(self, seq: int, timeout: float | None = None, request: str = "") -> P.Message:
+        """The response to ``seq``; responses to other requests that arrive
+        meanwhile are kept for their own waiters."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if not self._lock.acquire(timeout=max(0.0, left)):
+                raise DeviceTimeout(f"no response to {request or 'request'} within {timeout:.3g} s")
+            try:
+                if seq in self._stash:
+                    return self._stash.pop(seq)[0]
+                left = deadline - time.monotonic()
+                try:
+                    data, fds, _ = self.ep.recv(timeout=max(0.0, left))
+                except Timeout:
+                    raise DeviceTimeout(f"no response to {request or 'request'} within {timeout:.3g} s") from None
+                except PeerClosed:
+                    raise DeviceLost(self._lost_message()) from None
+                for fd in fds:
+                    os.close(fd)
+                resp = P.decode(data)
+                if resp.seq == seq:
+                    return resp
+                self._stash[resp.seq] = (resp, time.monotonic())
+            finally:
+                self._lock.release()
+
+    def _lost_message(self) -> str:
+        msg = "the device closed the connection (it exited or was killed)"
+        if self.device is not None:
+            tail = self.device.log_tail(800).strip()
+            if tail:
+                msg += f"; device log:\n{tail}"
+        return msg
+
+    def check(self, resp: P.Message, request: str) -> P.Message:
+        if resp.status == Status.SUCCESS:
+            return resp
+        numbers = {k: getattr(resp, k) for k in ("oom_requested", "oom_free", "oom_total", "result_required",
+                                                  "return_value", "cycles", "error_line")
+                   if getattr(resp, k, 0)}
+        detail = ""
+        if resp.TYPE != (P.RESPONSE_BIT | P.MsgType.GET_ERROR):
+            try:
+                err = self.wait(self.send(P.GetError()), 5.0, "GET_ERROR")
+                if err.error_seq == resp.seq:
+                    detail = err.payload.decode(errors="replace")
+            except (DeviceTimeout, DeviceLost):
+                pass
+        raise device_error(resp.status, detail, request, **numbers)
+
+    def request(self, msg: P.Message, fds=(), timeout: float | None = None) -> P.Message:
+        name = P.MsgType(msg.TYPE).name
+        return self.check(self.wait(self.send(msg, fds), timeout, name), name)
+
+    # ---------------------------------------------------------------- basics
+    def ping(self) -> dict:
+        t0 = time.perf_counter_ns()
+        r = self.request(P.Ping())
+        return {"version": P.version_str(r.version), "uptime_ms": r.uptime_ms,
+                "rtt_us": (time.perf_counter_ns() - t0) / 1000}
+
+    def status(self) -> dict:
+        r = self.request(P.GetStatus())
+        return {"version": P.version_str(r.version), "uptime_ms": r.uptime_ms,
+                "jobs_completed": r.jobs_completed, "jobs_failed": r.jobs_failed}
+
+    def pools(self) -> dict:
+        r = self.request(P.PoolStatus())
+        return {f: getattr(r, f) for f in r.FIELDS}
+
+    # ---------------------------------------------------------------- buffers
+    def attach(self, buf: DmaBuf, staging: bool = False, kv_size: int = 0) -> DmaBuf:
+        r = self.request(P.BufAttach(size=buf.size, flags=ATTACH_STAGING if staging else 0,
+                                     reserved=kv_size), fds=[buf.fd])
+        buf.dsp_addr = r.dsp_addr
+        self.bufs.append(buf)
+        return buf
+
+    def alloc(self, nbytes: int, name: str = "dspx-buf") -> DmaBuf:
+        """A new dmabuf, attached: mapped here and visible to the device."""
+        buf = DmaBuf(nbytes, name)
+        try:
+            return self.attach(buf)
+        except BaseException:
+            buf.close()
+            raise
+
+    def detach(self, buf: DmaBuf) -> None:
+        if buf in self.bufs:
+            try:
+                self.request(P.BufDetach(dsp_addr=buf.dsp_addr))
+            finally:
+                self.bufs.remove(buf)
+                buf.dsp_addr = None
+        buf.close()
+
+    free = detach
+
+    def read_printf(self) -> str:
+        """Text the device printed since the last call."""
+        b = self.printf_buf
+        if b is None:
+            return ""
+        magic, widx, size, _ = struct.unpack_from("<IIII", b.mm, 0)
+        if magic != memory.PRINTF_MAGIC:
+            return ""
+        cap = size - memory.PRINTF_HEADER
+        start = self._printf_read
+        base = memory.PRINTF_HEADER
+        if widx >= start:
+            data = b.mm[base + start: base + widx]
+        else:
+            data = b.mm[base + start: base + cap] + b.mm[base: base + widx]
+        self._printf_read = widx
+        return data.decode("utf-8", errors="replace")
+
+    def show_printf(self, nbytes: int, stream=None) -> str:
+        text = self.read_printf() if nbytes else ""
+        if text:
+            (stream or sys.stderr).write(text)
+        return text
+
+    # ---------------------------------------------------------------- modules
+    def _stage(self, data, what: str) -> int:
+        if self.staging is None:
+            raise DspxError("this client was opened without a staging buffer (staging_size=0)")
+        room = self.staging.size - self.kv_size
+        n = len(data)
+        if n > room:
+            raise CapacityError(n, room, what)
+        self.staging.begin_cpu_access(memory.SYNC_WRITE)
+        self.staging.mm[:n] = data
+        self.staging.end_cpu_access(memory.SYNC_WRITE)
+        return n
+
+    def load_module(self, elf: bytes) -> LoadedModule:
+        n = self._stage(elf, "module")
+        r = self.request(P.DynLoad(elf_size=n))
+        mod = LoadedModule(r.module_handle, r.text_size, r.data_size, r.io_input_bytes, r.io_output_bytes,
+                           r.io_num_inputs, r.io_num_outputs, r.io_flags)
+        if r.io_input_bytes or r.io_output_bytes:
+            self._declare_io(r.io_input_bytes, r.io_output_bytes, r.io_num_inputs)
+        return mod
+
+    def unload_module(self, handle: int) -> None:
+        self.request(P.DynUnload(module_handle=handle))
+
+    def load_weights(self, data: bytes) -> tuple[int, int]:
+        n = self._stage(data, "weights")
+        r = self.request(P.ModelLoad(weights_size=n))
+        return r.model_id, r.num_constants
+
+    def unload_weights(self, model_id: int) -> None:
+        self.request(P.ModelUnload(model_id=model_id))
+
+    # ---------------------------------------------------------------- io capacity (SPEC §6)
+    def _declare_io(self, input_bytes: int, output_bytes: int, num_inputs: int) -> None:
+        """Size input_buf/output_buf from a declaration: grow, never shrink;
+        a declaration that cannot be met is advisory (warn, keep what fits)."""
+        if self.io_locked:
+            if input_bytes > self.input_capacity or output_bytes > self.output_capacity:
+                warnings.warn(CapacityWarning(
+                    f"module declares input {input_bytes} / output {output_bytes} bytes but capacity is locked at "
+                    f"{self.input_capacity} / {self.output_capacity}"), stacklevel=3)
+            return
+        short = []
+        for side, want in (("input", input_bytes), ("output", output_bytes)):
+            try:
+                self._grow(side, want, num_inputs)
+            except DspxError as e:
+                short.append(f"{side} declared {want} bytes, allocated {self._capacity(side)} ({e.status_name if hasattr(e, 'status_name') else e})")
+        if short:
+            warnings.warn(CapacityWarning("io declaration could not be met: " + "; ".join(short) +
+                                          " — call reserve_io() with the real figures before the first inference"),
+                          stacklevel=3)
+
+    def _capacity(self, side: str) -> int:
+        b = self.input_buf if side == "input" else self.output_buf
+        return b.size if b else 0
+
+    @property
+    def input_capacity(self) -> int:
+        return self._capacity("input")
+
+    @property
+    def output_capacity(self) -> int:
+        return self._capacity("output")
+
+    def _grow(self, side: str, want: int, num_inputs: int = 0) -> None:
+        if want <= self._capacity(side):
+            return
+        new = self.alloc(want, f"dspx-{side}")
+        old = self.input_buf if side == "input" else self.output_buf
+        if side == "input":
+            self.input_buf = new
+            self.input_data_offset = max(self.input_data_offset, P.align(80 * num_inputs, 64))
+            self._create_input_end = self.input_data_offset
+        else:
+            self.output_buf = new
+        if old is not None:
+            self.detach(old)
+
+    def reserve_io(self, input_bytes: int, output_bytes: int, num_inputs: int = 0) -> None:
+        if self.io_locked:
+            raise CapacityLocked(f"reserve_io({input_bytes}, {output_bytes}) refused: capacity was locked at "
+                                 f"input {self.input_capacity} / output {self.output_capacity} bytes by its first "
+                                 f"successful use")
+        self._grow("input", input_bytes, num_inputs)
+        self._grow("output", output_bytes)
+
+    def create_input(self, shape, dtype):
+        """An array living in input_buf: passing it to infer skips the copy."""
+        import numpy as np
+
+        dt = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if self.input_buf is None:
+            raise CapacityError(nbytes, 0, "create_input")
+        off = P.align(self._create_input_end, 64)
+        if off + nbytes > self.input_buf.size:
+            raise CapacityError(off + nbytes, self.input_buf.size, "create_input")
+        arr = self.input_buf.array(off, shape, dt)
+        self._create_input_end = off + nbytes
+        self.io_locked = True
+        return arr
+
+    def in_input_buf(self, arr) -> int | None:
+        """Offset of ``arr``'s data in input_buf, when it lives there."""
+        b = self.input_buf
+        if b is None or not arr.flags.c_contiguous:
+            return None
+        import numpy as np
+        base = np.frombuffer(b.mm, dtype=np.uint8, count=1).ctypes.data
+        off = arr.ctypes.data - base
+        return off if 0 <= off and off + arr.nbytes <= b.size else None
+
+    # ---------------------------------------------------------------- inference
+    def infer(self, handle: int, inputs, model_id: int = 0, repeat: int = 0, kv_resident: bool = False,
+              kv_inputs=(), timeout: float | None = None) -> InferResult:
+        """Run the module on ``inputs`` (numpy arrays).  Arrays already in
+        input_buf are passed in place; others are copied once.  ``kv_inputs``
+        are ``(index, kv_offset, shape, dtype)`` for inputs that live in the
+        KV region.  Returns descriptors of outputs in output_buf."""
+        import numpy as np
+
+        if self.input_buf is None or self.output_buf is None:
+            raise CapacityError(sum(a.nbytes for a in inputs), self.input_capacity, "inference")
+        kv = {i: (off, shape, dt) for i, off, shape, dt in kv_inputs}
+        n = len(inputs) + len(kv)
+        desc_region = P.align(80 * n, 64)
+        if desc_region > self.input_data_offset and self._create_input_end > self.input_data_offset:
+            raise CapacityError(desc_region, self.input_data_offset, "descriptor region")
+        pos = max(desc_region, self._create_input_end)
+        copies, descs = [], []
+        base = self.input_buf.dsp_addr
+        it = iter(inputs)
+        kv_base = self.staging.dsp_addr + self.staging.size - self.kv_size if self.kv_size else 0
+        for i in range(n):
+            if i in kv:
+                off, shape, dt = kv[i]
+                descs.append(P.TensorDesc.for_array(kv_base + off, shape, np.dtype(dt).name))
+                continue
+            a = next(it)
+            off = self.in_input_buf(a)
+            if off is None:
+                off = P.align(pos, 64)
+                pos = off + a.nbytes
+                copies.append((off, a))
+            descs.append(P.TensorDesc.for_array(base + off, a.shape, a.dtype.name))
+        if pos > self.input_buf.size:
+            raise CapacityError(pos, self.input_buf.size)
+        ib = self.input_buf
+        ib.begin_cpu_access(memory.SYNC_WRITE)
+        for off, a in copies:
+            ib.array(off, a.shape, a.dtype)[...] = a
+        flags = (repeat & P.REPEAT_MASK) | (P.FLAG_KV_RESIDENT if kv_resident else 0)
+        if n <= P.MAX_INLINE_INPUTS:
+            ib.end_cpu_access(memory.SYNC_WRITE)
+            msg = P.Infer(module_handle=handle, model_id=model_id, num_inputs=n, flags=flags,
+                          input_dsp_addr=base, input_size=ib.size, result_dsp_addr=self.output_buf.dsp_addr,
+                          result_size=self.output_buf.size, descs=descs)
+        else:
+            ib.mm[:80 * n] = P.encode_descs(descs)
+            ib.end_cpu_access(memory.SYNC_WRITE)
+            msg = P.InferLarge(module_handle=handle, model_id=model_id, num_inputs=n, flags=flags,
+                               descs_addr=base, descs_size=80 * n, input_dsp_addr=base, input_size=ib.size,
+                               result_dsp_addr=self.output_buf.dsp_addr, result_size=self.output_buf.size)
+        r = self.request(msg, timeout=timeout)
+        ob = self.output_buf
+        ob.begin_cpu_access(memory.SYNC_READ)
+        out_descs = r.descs
+        if r.descs_size:
+            off = r.descs_addr - ob.dsp_addr
+            out_descs = P.decode_descs(ob.mm, r.num_outputs, off)
+        ob.end_cpu_access(memory.SYNC_READ)
+        self.io_locked = True
+        return InferResult(r.cycles, out_descs, self.show_printf(r.printf_size))
+
+    def output_view(self, desc: P.TensorDesc):
+        """A numpy view of one output in output_buf (valid until the next inference)."""
+        ob = self.output_buf
+        if not ob.contains(desc.data_addr, desc.data_size):
+            raise DspxError(f"output descriptor 0x{desc.data_addr:x}+{desc.data_size} is outside output_buf")
+        return ob.array(desc.data_addr - ob.dsp_addr, desc.shape, desc.dtype)
+
+    def kv_view(self, offset: int, shape, dtype):
+        """A numpy view into this connection's KV region."""
+        if not self.kv_size:
+            raise DspxError("this client has no KV region")
+        return self.staging.array(self.staging.size - self.kv_size + offset, shape, dtype)
+
+    # ---------------------------------------------------------------- close
+    def _stop_device(self) -> None:
+        if self.device is not None:
+            self.device.stop()
+            self.device = None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Closing the channel makes the device free everything this
+        # connection attached; our own mappings go with the DmaBufs.
+        ep = getattr(self, "ep", None)
+        if ep is not None:
+            ep.close()
+        for b in getattr(self, "bufs", []):
+            b.close()
+        self.bufs = []
+        self._stop_device()

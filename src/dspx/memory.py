@@ -1,0 +1,267 @@
+"""Shared memory: the carveout window, dmabufs and DSP address translation.
+
+Vocabulary follows Linux dma-buf: a *dmabuf* is an fd (a sealed memfd in the
+simulation) that the host allocates and maps, then *attaches* to the device,
+which maps the same pages and answers with the buffer's DSP address in the
+carveout *window*.  Sync is explicit per buffer (start/end, read/write); the
+simulation counts synced bytes so tests can see which buffers an operation
+touched.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import stat
+from dataclasses import dataclass
+
+# Defaults of SPEC §3 (all configurable).
+CARVEOUT_BASE = 0xC000_0000
+CARVEOUT_SIZE = 512 << 20
+STAGING_SIZE = 468 << 20
+KV_SIZE = 12 << 20
+PRINTF_SIZE = 64 << 10
+DDR_POOL_BASE = 0x1_0200_0000
+DDR_POOL_SIZE = 352 << 20
+L2_BASE = 0x7E00_0000
+L2_SIZE = 1280 << 10
+
+PAGE = mmap.PAGESIZE
+U64 = 1 << 64
+
+# DMA_BUF_IOCTL_SYNC flags (linux/dma-buf.h)
+SYNC_READ = 1
+SYNC_WRITE = 2
+SYNC_RW = SYNC_READ | SYNC_WRITE
+SYNC_START = 0
+SYNC_END = 4
+
+# Seals a dmabuf must carry before the device maps it: its size can never
+# change under the device's mapping (a shrink would turn a later access into
+# SIGBUS in the device).
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+# printf ring header: magic u32, write index u32, size u32, reserved u32
+PRINTF_MAGIC = 0x544E5250  # b"PRNT"
+PRINTF_HEADER = 16
+
+
+class AddressError(ValueError):
+    """A DSP address range that is not wholly inside one owned buffer."""
+
+
+class WindowFull(MemoryError):
+    def __init__(self, requested: int, free: int, total: int, largest: int):
+        super().__init__(f"carveout window has no room for {requested} bytes "
+                         f"(free {free}, largest hole {largest}, total {total})")
+        self.requested, self.free, self.total, self.largest = requested, free, total, largest
+
+
+def page_align(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+class FirstFit:
+    """First-fit allocator over an address range, like the kernel's
+    gen_pool_first_fit: the first allocation lands at the base."""
+
+    def __init__(self, base: int, size: int, granule: int = PAGE):
+        self.base, self.size, self.granule = base, size, granule
+        self._free: list[list[int]] = [[base, size]]  # sorted [addr, size] holes
+        self._used: dict[int, int] = {}
+
+    @property
+    def used(self) -> int:
+        return sum(self._used.values())
+
+    @property
+    def free_bytes(self) -> int:
+        return self.size - self.used
+
+    def alloc(self, size: int) -> int:
+        if size <= 0:
+            raise ValueError(f"allocation size must be positive, got {size}")
+        need = (size + self.granule - 1) // self.granule * self.granule
+        for hole in self._free:
+            if hole[1] >= need:
+                addr = hole[0]
+                hole[0] += need
+                hole[1] -= need
+                if hole[1] == 0:
+                    self._free.remove(hole)
+                self._used[addr] = need
+                return addr
+        largest = max((h[1] for h in self._free), default=0)
+        raise WindowFull(size, self.free_bytes, self.size, largest)
+
+    def free(self, addr: int) -> None:
+        size = self._used.pop(addr)
+        self._free.append([addr, size])
+        self._free.sort()
+        merged: list[list[int]] = []
+        for a, s in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == a:
+                merged[-1][1] += s
+            else:
+                merged.append([a, s])
+        self._free = merged
+
+
+class Pool:
+    """Byte accounting for a device-private pool (DDR pool, L2): watermark and reset."""
+
+    def __init__(self, name: str, base: int, size: int):
+        self.name, self.base, self.size = name, base, size
+        self.used = 0
+        self.peak = 0
+
+    @property
+    def free(self) -> int:
+        return self.size - self.used
+
+    def take(self, nbytes: int) -> bool:
+        if nbytes < 0 or nbytes > self.free:
+            return False
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.used = max(0, self.used - nbytes)
+
+
+# ------------------------------------------------------------------ host side
+
+class DmaBuf:
+    """A host-allocated dmabuf: a sealed memfd mapped into this process."""
+
+    def __init__(self, size: int, name: str = "dspx-dmabuf"):
+        if size <= 0:
+            raise ValueError(f"dmabuf size must be positive, got {size}")
+        self.size = page_align(size)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS)
+            self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.dsp_addr: int | None = None
+        self.synced = {"read": 0, "write": 0}  # bytes covered by completed syncs
+        self.sync_calls = 0
+        self._syncing: int | None = None
+
+    # DMA_BUF_IOCTL_SYNC: whole-buffer granularity, like the real ioctl.
+    def sync(self, flags: int) -> None:
+        direction = flags & SYNC_RW
+        if direction == 0 or flags & ~(SYNC_RW | SYNC_END):
+            raise ValueError(f"bad sync flags 0x{flags:x}")
+        if flags & SYNC_END:
+            if self._syncing != direction:
+                raise RuntimeError("sync end without a matching sync start")
+            self._syncing = None
+            if direction & SYNC_READ:
+                self.synced["read"] += self.size
+            if direction & SYNC_WRITE:
+                self.synced["write"] += self.size
+            self.sync_calls += 1
+        else:
+            self._syncing = direction
+
+    def begin_cpu_access(self, direction: int) -> None:
+        self.sync(SYNC_START | direction)
+
+    def end_cpu_access(self, direction: int) -> None:
+        self.sync(SYNC_END | direction)
+
+    def array(self, offset: int, shape, dtype):
+        import numpy as np
+
+        dt = np.dtype(dtype)
+        count = 1
+        for s in shape:
+            count *= int(s)
+        if offset < 0 or offset + count * dt.itemsize > self.size:
+            raise AddressError(f"view [{offset}, +{count * dt.itemsize}) outside dmabuf of {self.size} bytes")
+        return np.frombuffer(self.mm, dtype=dt, count=count, offset=offset).reshape(shape)
+
+    def contains(self, addr: int, size: int) -> bool:
+        return (self.dsp_addr is not None and size >= 0
+                and self.dsp_addr <= addr and addr + size <= self.dsp_addr + self.size)
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            self.mm.close()
+        except BufferError:
+            # numpy views still point at the pages; the mapping goes with them.
+            pass
+        os.close(self.fd)
+        self.fd = -1
+
+
+# ---------------------------------------------------------------- device side
+
+def map_attached(fd: int, size: int) -> mmap.mmap:
+    """Map a dmabuf fd received from a host, after checking it is a sealed
+    memfd at least ``size`` bytes long.  Raises ValueError on anything else."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("attached fd is not a memory file")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise ValueError("attached fd is not a sealable memfd") from None
+    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+        raise ValueError("attached memfd must be sealed against shrink, grow and further sealing")
+    if size <= 0 or size > st.st_size:
+        raise ValueError(f"attach size {size} but the memfd holds {st.st_size} bytes")
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+@dataclass
+class Region:
+    """One mapped range of a connection's DSP address space."""
+
+    buf_id: int
+    addr: int
+    size: int
+    mm: mmap.mmap | None = None
+    kind: str = "dmabuf"
+
+    def end(self) -> int:
+        return self.addr + self.size
+
+
+def in_range(addr: int, size: int, base: int, limit: int) -> bool:
+    """[addr, addr+size) inside [base, limit), with the 64-bit wire values
+    checked so no wrapped sum can pass."""
+    return (0 <= addr < U64 and 0 <= size < U64 and addr + size < U64
+            and base <= addr and addr + size <= limit)
+
+
+class AddressSpace:
+    """The DSP addresses one connection may name: its attached buffers (and
+    the KV region inside its staging buffer)."""
+
+    def __init__(self):
+        self.regions: dict[int, Region] = {}  # by addr
+
+    def add(self, region: Region) -> None:
+        self.regions[region.addr] = region
+
+    def remove(self, addr: int) -> Region:
+        return self.regions.pop(addr)
+
+    def find(self, addr: int, size: int) -> Region:
+        for r in self.regions.values():
+            if in_range(addr, size, r.addr, r.end()):
+                return r
+        raise AddressError(f"range 0x{addr:x}+{size} is not inside any buffer of this connection")
+
+    def view(self, addr: int, size: int) -> memoryview:
+        r = self.find(addr, size)
+        off = addr - r.addr
+        return memoryview(r.mm)[off:off + size]

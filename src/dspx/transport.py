@@ -1,0 +1,172 @@
+"""Message transport: AF_UNIX SOCK_SEQPACKET, one message per datagram.
+
+The local stand-in for an rpmsg endpoint.  Datagrams keep message boundaries,
+file descriptors (dmabufs) travel with SCM_RIGHTS, and the peer's uid is
+checked with SO_PEERCRED.  A board backend (rpmsg_char) would provide the
+same three calls: send, recv, close.
+"""
+from __future__ import annotations
+
+import array
+import errno
+import os
+import select
+import socket
+import struct
+import time
+
+from .protocol import MAX_MSG
+
+MAX_FDS = 4
+_CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+
+
+class TransportError(ConnectionError):
+    pass
+
+
+class PeerClosed(TransportError):
+    """The other side closed the channel (or died)."""
+
+
+class Timeout(TransportError, TimeoutError):
+    pass
+
+
+def default_socket_path() -> str:
+    """``$DSPX_SOCKET``, else ``${XDG_RUNTIME_DIR:-/tmp}/dspx-<uid>/dsp0.sock``."""
+    env = os.environ.get("DSPX_SOCKET")
+    if env:
+        return env
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return os.path.join(base, f"dspx-{os.getuid()}", "dsp0.sock")
+
+
+def peer_uid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+def listen(path: str, backlog: int = 64) -> socket.socket:
+    """Bind a listening socket: parent directory 0700 (owned by us), socket
+    0600.  A stale socket file (nothing listening) is replaced; a live one is
+    an error."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.stat(d)
+    if st.st_uid != os.getuid():
+        raise TransportError(f"socket directory {d} is owned by uid {st.st_uid}, not {os.getuid()}")
+    if d.startswith(("/tmp/", os.environ.get("XDG_RUNTIME_DIR") or "/nonexistent")) and \
+            os.path.basename(d).startswith("dspx-"):
+        os.chmod(d, 0o700)
+    if os.path.exists(path):
+        if is_listening(path):
+            raise TransportError(f"a device is already listening on {path}")
+        os.unlink(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    old = os.umask(0o177)
+    try:
+        s.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    s.listen(backlog)
+    return s
+
+
+def is_listening(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def connect(path: str, timeout: float = 5.0) -> "Endpoint":
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+    except OSError as e:
+        s.close()
+        raise TransportError(f"cannot connect to device socket {path}: {e.strerror or e}") from None
+    s.setblocking(True)
+    s.settimeout(None)
+    return Endpoint(s)
+
+
+class Endpoint:
+    """One end of a message channel."""
+
+    def __init__(self, sock: socket.socket, max_msg: int = MAX_MSG):
+        self.sock = sock
+        self.max_msg = max_msg
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, data: bytes, fds=()) -> None:
+        try:
+            if fds:
+                socket.send_fds(self.sock, [data], list(fds))
+            else:
+                self.sock.send(data)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise PeerClosed(f"peer closed the channel ({e.strerror})") from None
+
+    def recv(self, timeout: float | None = None, bufsize: int | None = None):
+        """Receive one datagram: (data, fds, truncated).  ``truncated`` is set
+        when the datagram was longer than ``bufsize`` (max_msg + 1 by
+        default, so an oversized message is visible as such).  Raises
+        PeerClosed on EOF and Timeout when nothing arrives in time."""
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Timeout(f"no message within {timeout:.3g} s")
+                try:
+                    r, _, _ = select.select([self.sock], [], [], left)
+                except InterruptedError:
+                    continue
+                if r:
+                    break
+        return self.recv_ready(bufsize)
+
+    def recv_ready(self, bufsize: int | None = None):
+        try:
+            data, anc, flags, _ = self.sock.recvmsg(bufsize or self.max_msg + 1, _CMSG_SPACE,
+                                                    socket.MSG_CMSG_CLOEXEC)
+        except (ConnectionResetError, BrokenPipeError):
+            raise PeerClosed("peer reset the channel") from None
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise Timeout("no message ready") from None
+            raise
+        fds: list[int] = []
+        for level, ctype, cdata in anc:
+            if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
+                a = array.array("i")
+                a.frombytes(cdata[: len(cdata) - (len(cdata) % a.itemsize)])
+                fds.extend(a)
+        truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+        if not data and not fds and not truncated and self._hung_up():
+            raise PeerClosed("peer closed the channel")
+        return data, fds, truncated
+
+    def _hung_up(self) -> bool:
+        # A zero-length datagram and EOF both read as b"": ask poll which it was.
+        p = select.poll()
+        p.register(self.sock, select.POLLIN | select.POLLRDHUP | select.POLLHUP)
+        return any(ev & (select.POLLRDHUP | select.POLLHUP) for _, ev in p.poll(0))
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass

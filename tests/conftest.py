@@ -1,0 +1,79 @@
+"""Shared fixtures: a running simulated device on a private socket."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from dspx.transport import is_listening
+
+SMALL = ["--carveout-size", "64M", "--ddr-pool-size", "64M"]
+
+
+class Device:
+    """A `python -m dspx.device` process on its own socket."""
+
+    def __init__(self, *args):
+        self.dir = tempfile.mkdtemp(prefix="dspx-test-")
+        self.path = os.path.join(self.dir, "dsp0.sock")
+        self.log = open(os.path.join(self.dir, "device.log"), "w+b")
+        self.proc = subprocess.Popen([sys.executable, "-m", "dspx.device", "--socket", self.path, *args],
+                                     stdout=self.log, stderr=self.log)
+        deadline = time.monotonic() + 60
+        while not is_listening(self.path):
+            assert self.proc.poll() is None, self.output()
+            assert time.monotonic() < deadline, "device did not start"
+            time.sleep(0.01)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture
+def device():
+    """A fresh small device for one test."""
+    d = Device(*SMALL)
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_device():
+    """One small device for a whole test module (tests must not depend on its history)."""
+    d = Device(*SMALL)
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def client_of():
+    """Open clients on a device socket; all are closed at the end."""
+    from dspx.host.client import Client
+
+    opened = []
+
+    def make(path, **kw):
+        kw.setdefault("staging_size", 1 << 20)
+        kw.setdefault("kv_size", 1 << 16)
+        c = Client(path, timeout=20, **kw)
+        opened.append(c)
+        return c
+
+    yield make
+    for c in opened:
+        c.close()

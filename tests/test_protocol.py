@@ -1,0 +1,159 @@
+"""The wire layouts of SPEC §4, written out by hand (offsets and sizes), and
+the encoder/decoder checked against them — not against itself."""
+import struct
+
+import pytest
+
+from dspx import protocol as P
+from dspx.protocol import Status
+
+# (class, request type code, total size, [(offset, struct fmt, field, value)])
+LAYOUTS = [
+    (P.Ping, 0x0001, 16, []),
+    (P.PingResp, 0x1001, 24, [(16, "I", "version", 0x030000), (20, "I", "uptime_ms", 1234)]),
+    (P.GetStatus, 0x0003, 16, []),
+    (P.StatusResp, 0x1003, 32, [(16, "I", "version", 0x030000), (20, "I", "uptime_ms", 5),
+                                (24, "I", "jobs_completed", 7), (28, "I", "jobs_failed", 2)]),
+    (P.DynLoad, 0x0010, 32, [(16, "I", "elf_size", 47_000_000), (20, "I", "flags", 1),
+                             (24, "I", "reserved0", 0), (28, "I", "reserved1", 0)]),
+    (P.DynLoadResp, 0x1010, 68, [(16, "I", "module_handle", 3), (20, "I", "text_size", 100),
+                                 (24, "I", "data_size", 200), (28, "I", "oom_requested", 11),
+                                 (32, "I", "oom_free", 12), (36, "I", "oom_total", 13),
+                                 (40, "Q", "io_input_bytes", 11_802_496), (48, "Q", "io_output_bytes", 24_384_320),
+                                 (56, "I", "io_num_inputs", 62), (60, "I", "io_num_outputs", 61),
+                                 (64, "I", "io_flags", 1)]),
+    (P.DynUnload, 0x0012, 20, [(16, "I", "module_handle", 9)]),
+    (P.DynUnloadResp, 0x1012, 16, []),
+    (P.ModelLoad, 0x0020, 32, [(16, "I", "weights_size", 999), (20, "I", "flags", 0)]),
+    (P.ModelLoadResp, 0x1020, 36, [(16, "I", "model_id", 4), (20, "I", "num_constants", 60),
+                                   (24, "I", "oom_requested", 1), (28, "I", "oom_free", 2), (32, "I", "oom_total", 3)]),
+    (P.ModelUnload, 0x0022, 20, [(16, "I", "model_id", 4)]),
+    (P.ModelUnloadResp, 0x1022, 16, []),
+    (P.Infer, 0x0021, 64, [(16, "I", "module_handle", 1), (20, "I", "model_id", 0), (24, "I", "num_inputs", 0),
+                           (28, "I", "flags", 0x10003), (32, "Q", "input_dsp_addr", 0xC1000000),
+                           (40, "Q", "input_size", 4096), (48, "Q", "result_dsp_addr", 0xC2000000),
+                           (56, "Q", "result_size", 8192)]),
+    (P.InferLarge, 0x0023, 80, [(16, "I", "module_handle", 1), (20, "I", "model_id", 2), (24, "I", "num_inputs", 62),
+                                (28, "I", "flags", 1 << 16), (32, "Q", "descs_addr", 0xC1000000),
+                                (40, "I", "descs_size", 4960), (44, "I", "reserved", 0),
+                                (48, "Q", "input_dsp_addr", 0xC1000000), (56, "Q", "input_size", 11_802_496),
+                                (64, "Q", "result_dsp_addr", 0xC2000000), (72, "Q", "result_size", 12_583_040)]),
+    (P.InferResp, 0x1021, 68, [(16, "i", "return_value", -1), (20, "Q", "cycles", 2**40 + 5),
+                               (28, "I", "num_outputs", 0), (32, "I", "printf_size", 77),
+                               (36, "Q", "descs_addr", 0xC2000000), (44, "I", "descs_size", 0),
+                               (48, "I", "oom_requested", 1), (52, "I", "oom_free", 2), (56, "I", "oom_total", 3),
+                               (60, "Q", "result_required", 24_384_320)]),
+    (P.SetPrintfBuf, 0x0030, 32, [(16, "Q", "printf_dsp_addr", 0xDE000000), (24, "I", "printf_size", 65536),
+                                  (28, "I", "reserved", 0)]),
+    (P.SetPrintfBufResp, 0x1030, 16, []),
+]
+
+
+@pytest.mark.parametrize("cls,code,size,fields", LAYOUTS, ids=[c[0].__name__ for c in LAYOUTS])
+def test_layout_against_spec(cls, code, size, fields):
+    msg = cls(seq=0xA5A5, status=-3, **{name: value for _, _, name, value in fields})
+    raw = msg.encode()
+    assert len(raw) == size == cls.fixed_size()
+    assert struct.unpack_from("<IIIi", raw, 0) == (code, 0xA5A5, size, -3)
+    for off, fmt, _, value in fields:
+        assert struct.unpack_from("<" + fmt, raw, off)[0] == value
+    # Build the same bytes by hand and decode them.
+    hand = bytearray(size)
+    struct.pack_into("<IIIi", hand, 0, code, 0xA5A5, size, -3)
+    for off, fmt, _, value in fields:
+        struct.pack_into("<" + fmt, hand, off, value)
+    assert bytes(hand) == raw
+    back = P.decode(bytes(hand))
+    assert type(back) is cls and back.seq == 0xA5A5 and back.status == -3
+    for _, _, name, value in fields:
+        assert getattr(back, name) == value
+
+
+def test_tensor_descriptor_layout():
+    d = P.TensorDesc(0xC0001000, 4000, 2, 2, 32, (1, 1000))
+    raw = d.encode()
+    assert len(raw) == 80 == P.TensorDesc.SIZE
+    assert struct.unpack_from("<Q", raw, 0)[0] == 0xC0001000
+    assert struct.unpack_from("<Q", raw, 8)[0] == 4000
+    assert struct.unpack_from("<iiii", raw, 16) == (2, 2, 32, 0)
+    assert struct.unpack_from("<6q", raw, 32) == (1, 1000, 0, 0, 0, 0)
+    assert P.TensorDesc.decode(raw) == d
+    assert d.check() is None and d.dtype == "float32"
+
+
+def test_descriptor_checks():
+    assert "ndim" in P.TensorDesc(0, 0, 7, 2, 32, ()).check()
+    assert "dtype" in P.TensorDesc(0, 4, 1, 2, 8, (4,)).check()
+    assert "data_size" in P.TensorDesc(0, 15, 1, 2, 32, (4,)).check()
+    assert P.TensorDesc.for_array(0, (1, 64), "int64").data_size == 512
+
+
+def test_io_meta_layout():
+    blob = P.IoMeta(62, 61, 11_802_496, 24_384_320, 1).encode()
+    assert len(blob) == 40
+    assert blob[:4] == b"TIOM"
+    assert struct.unpack("<IIIIQQII", blob) == (0x4D4F4954, 1, 62, 61, 11_802_496, 24_384_320, 1, 0)
+    assert P.IoMeta.decode(blob).input_bytes == 11_802_496
+    with pytest.raises(ValueError, match="magic"):
+        P.IoMeta.decode(b"XXXX" + blob[4:])
+
+
+def test_io_meta_worked_example_from_spec():
+    """SPEC §5: SmolLM-135M prefill (ids, positions (1,64) int64 + 60 KV (1,3,256,64) f32)."""
+    kv = 3 * 256 * 64 * 4
+    assert P.IoMeta.side_bytes([64 * 8, 64 * 8] + [kv] * 60) == 11_802_496
+    assert P.IoMeta.side_bytes([64 * 49152 * 4] + [kv] * 60) == 24_384_320
+    assert P.IoMeta.side_bytes([64 * 49152 * 4]) == 12_583_040
+
+
+def test_infer_with_inline_descriptors():
+    descs = [P.TensorDesc.for_array(0xC1000080 + 64 * i, (4,), "float32") for i in range(5)]
+    msg = P.Infer(module_handle=1, num_inputs=5, descs=descs)
+    raw = msg.encode()
+    assert len(raw) == 64 + 80 * 5 == 464
+    assert P.decode(raw).descs == descs
+    with pytest.raises(P.ProtocolError):
+        P.Infer(num_inputs=6, descs=descs + descs[:1]).encode()  # 544 > 512
+    assert P.MAX_INLINE_INPUTS == 5 and P.MAX_INLINE_OUTPUTS == 5
+    resp = P.InferResp(num_outputs=5, descs=descs).encode()
+    assert len(resp) == 68 + 400
+
+
+def test_status_codes():
+    assert [s.value for s in Status] == [0, -1, -2, -3, -4, -5, -6, -7, -8, -9, -10, -11, -12, -13, -14]
+    assert Status.ERR_TENSOR.name == "ERR_TENSOR"
+
+
+def test_infer_flags():
+    assert P.FLAG_KV_RESIDENT == 0x10000 and P.REPEAT_MASK == 0xFFFF and P.INFER_FLAGS_RESERVED == 0xFFFE0000
+
+
+@pytest.mark.parametrize("data,status,seq", [
+    (b"", Status.ERR_INVALID, None),
+    (b"\x01\x00\x00\x00\x07\x00\x00\x00", Status.ERR_INVALID, 7),
+    (struct.pack("<IIIi", 1, 9, 17, 0), Status.ERR_INVALID, 9),          # len != datagram size
+    (struct.pack("<IIIi", 1, 9, 20, 0) + b"\0" * 4, Status.ERR_INVALID, 9),  # PING with a body
+    (struct.pack("<IIIi", 0x77, 5, 16, 0), Status.ERR_OP, 5),
+    (struct.pack("<IIIi", 1, 4, 600, 0) + b"\0" * 584, Status.ERR_INVALID, 4),
+])
+def test_decode_errors(data, status, seq):
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(data)
+    assert e.value.status == status and e.value.seq == seq
+
+
+def test_unknown_type_error_response():
+    raw = P.error_response(0x77, 5, Status.ERR_OP)
+    assert raw == struct.pack("<IIIi", 0x1077, 5, 16, -8)
+
+
+def test_extension_messages_fit_and_roundtrip():
+    for cls in (P.BufAttach, P.BufAttachResp, P.BufDetach, P.Rpc, P.RpcResp, P.OpsLoad, P.OpsLoadResp,
+                P.OpsList, P.GetError, P.PoolStatus, P.PoolStatusResp):
+        raw = cls(seq=3).encode()
+        assert len(raw) <= 512
+        assert type(P.decode(raw)) is cls
+    entries = [(0x1402 + i, i, 0, 0, f"op{i}") for i in range(P.OpsListResp.MAX_ENTRIES)]
+    r = P.OpsListResp(total=100, count=len(entries), payload=P.OpsListResp.pack_entries(entries))
+    assert len(r.encode()) <= 512
+    assert P.decode(r.encode()).entries() == entries
