@@ -77,3 +77,54 @@ def client_of():
     yield make
     for c in opened:
         c.close()
+
+
+# ---------------------------------------------------------------- compiled example modules
+
+CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "dspx")
+
+
+def _compiler_digest() -> str:
+    """Compiled modules are reused while the compiler sources and TVM are unchanged."""
+    import hashlib
+    from pathlib import Path
+
+    import tvm
+
+    import dspx.compiler
+
+    h = hashlib.sha256(tvm.__version__.encode())
+    for f in sorted(Path(dspx.compiler.__file__).parent.glob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.fixture(scope="session")
+def example_onnx():
+    """{name: path} of the example ONNX models (built once, cached in .cache/dspx)."""
+    from dspx.compiler import examples
+
+    return examples.build_all(os.path.join(CACHE, "onnx"))
+
+
+@pytest.fixture(scope="session")
+def compiled(example_onnx):
+    """compiled(name, separate=False, kernels=False) -> directory of a compiled
+    example module, cached in .cache/dspx across sessions."""
+    import shutil
+    from pathlib import Path
+
+    from dspx.compiler.onnx import compile_onnx
+
+    root = Path(CACHE, "modules", _compiler_digest())
+    for stale in root.parent.glob("*"):  # builds by an older compiler
+        if stale != root:
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def get(name: str, separate: bool = False, kernels: bool = False) -> Path:
+        out = root / f"{name}{'-sep' if separate else ''}{'-k' if kernels else ''}"
+        if not (out / "metadata.json").exists():
+            compile_onnx(example_onnx[name], out, separate_weights=separate, kernels=kernels, progress=False)
+        return out
+
+    return get

@@ -1,0 +1,1 @@
+"""Ahead-of-time compiler (host side)."""

@@ -1,0 +1,57 @@
+"""The firmware export table: the undefined ELF symbols a loaded module may import.
+
+A module's undefined dynamic symbols are resolved against what the device
+process exports.  The loader refuses (ERR_SYMBOL, naming the symbol) any
+import outside this table *before* the module is mapped, so a module cannot
+reach the rest of libc (``system``, ``fork``, sockets …) through the dynamic
+linker.
+
+What real TVM modules import was measured on modules compiled here
+(docs/exports.md): the TVM FFI C ABI (``TVMFFI*``), the TVM backend runtime
+(``TVMBackend*``: workspace allocation, the parallel-for pool), the C math
+library calls LLVM lowers math intrinsics to (``expf``, ``tanhf`` …), the
+memory builtins LLVM emits (``memcpy``, ``memset`` …) and gcc/glibc
+start-up boilerplate (weak references).
+
+Firmware kernels called through ``R.call_dps_packed("name", …)`` are not ELF
+symbols: they are names inside the module's ``__tvm_ffi__library_bin``, carried
+in the module's signature blob and checked separately against the kernel
+library (see loader).  Symbol versions (``expf@GLIBC_2.27``) are not part of
+the name compared here.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# Every symbol with one of these prefixes: the C ABIs of libtvm_ffi and
+# libtvm_runtime, which the device links and keeps ABI-stable.
+EXPORT_PREFIXES: tuple[str, ...] = ("TVMFFI", "TVMBackend")
+
+_MATH = ("exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "pow", "sqrt", "cbrt", "hypot",
+         "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "tanh",
+         "asinh", "acosh", "atanh", "erf", "erfc", "lgamma", "tgamma", "fmod", "remainder",
+         "round", "nearbyint", "rint", "floor", "ceil", "trunc", "fabs", "fma", "fmin", "fmax",
+         "copysign", "ldexp", "frexp")
+
+EXPORT_NAMES: frozenset[str] = frozenset(
+    # libm, single and double precision
+    [f for name in _MATH for f in (name, name + "f")]
+    # memory builtins LLVM emits for copies and zero fills
+    + ["memcpy", "memmove", "memset", "memcmp"]
+    # half-precision conversions from compiler-rt/libgcc, when not inlined
+    + ["__extendhfsf2", "__truncsfhf2", "__truncdfhf2", "__gnu_h2f_ieee", "__gnu_f2h_ieee"]
+    # gcc/glibc boilerplate every shared object references (weak)
+    + ["__cxa_finalize", "__gmon_start__", "_ITM_deregisterTMCloneTable", "_ITM_registerTMCloneTable"]
+)
+
+
+def is_exported(name: str) -> bool:
+    return name in EXPORT_NAMES or name.startswith(EXPORT_PREFIXES)
+
+
+def check_imports(undefined_names: Iterable[str]) -> str | None:
+    """The first name the firmware does not export, or None if all resolve."""
+    for name in undefined_names:
+        if not is_exported(name):
+            return name
+    return None

@@ -1,0 +1,287 @@
+"""DLOAD in-process: ELF checks, export table, kernel imports, weights,
+zero-copy inputs, outputs against onnxruntime, unload without leaks."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import onnxruntime as ort
+import psutil
+import pytest
+
+from dspx.device import exports, loader
+from dspx.device.errors import LoadError, NoMemError, SymbolError, TensorError, WeightsError
+from dspx.protocol import Status
+
+TOL = 1e-4
+
+
+def _inputs(sig, seed=0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in sig.inputs:
+        if np.issubdtype(np.dtype(t.dtype), np.integer):
+            out.append(rng.integers(-3, 4, t.shape).astype(t.dtype))
+        else:
+            out.append(rng.standard_normal(t.shape).astype(t.dtype))
+    return out
+
+
+def _ort_session(path) -> ort.InferenceSession:
+    # Once the kernel library has set up onnxruntime's process-wide pool, every
+    # session must be created on it.
+    try:
+        from dspx.device.kernels import ort_session_options
+    except ImportError:
+        return ort.InferenceSession(str(path))
+    return ort.InferenceSession(str(path), ort_session_options())
+
+
+def _check_against_ort(mod, onnx_path, inputs, weights=None):
+    outs = mod.run(inputs, weights)
+    ref = _ort_session(onnx_path).run(None, {t.name: a for t, a in zip(mod.signature.inputs, inputs)})
+    assert len(outs) == len(ref) == len(mod.signature.outputs)
+    for o, r, spec in zip(outs, ref, mod.signature.outputs):
+        assert o.shape == r.shape == spec.shape and o.dtype == r.dtype, spec.name
+        np.testing.assert_allclose(o, r, rtol=0, atol=TOL, err_msg=spec.name)
+
+
+def _load(directory, kernel_names=frozenset()):
+    return loader.load_module((directory / "model.so").read_bytes(), kernel_names)
+
+
+def _kernel_library():
+    kernels = pytest.importorskip("dspx.device.kernels")
+    kernels.register_all()
+    return kernels.names()
+
+
+@pytest.mark.parametrize("name", ["multi_input", "multi_output", "resnet18"])
+def test_examples_match_onnxruntime(name, compiled, example_onnx):
+    mod = _load(compiled(name))
+    assert mod.entry == "main" and mod.text_size > 0 and mod.data_size > 0
+    assert mod.io_meta.num_inputs == len(mod.signature.inputs)
+    _check_against_ort(mod, example_onnx[name], _inputs(mod.signature))
+    mod.unload()
+
+
+@pytest.mark.parametrize("name", ["multi_input", "multi_output"])
+def test_separate_weights_match_onnxruntime(name, compiled, example_onnx):
+    out = compiled(name, separate=True)
+    mod = _load(out)
+    assert mod.signature.weights == "separate"
+    data = (out / "weights.bin").read_bytes()
+    inputs = _inputs(mod.signature, seed=1)
+    _check_against_ort(mod, example_onnx[name], inputs, loader.parse_weights(data))  # a MODEL_LOAD slot
+    assert mod.set_weights(data) == mod.signature.num_weights  # the module's own weights
+    _check_against_ort(mod, example_onnx[name], inputs)
+    mod.unload()
+
+
+def test_resnet18_with_kernels_and_separate_weights(compiled, example_onnx):
+    names = _kernel_library()
+    out = compiled("resnet18", separate=True, kernels=True)
+    mod = _load(out, names)
+    assert set(mod.signature.kernel_imports) <= names and mod.signature.kernel_imports
+    mod.set_weights((out / "weights.bin").read_bytes())
+    _check_against_ort(mod, example_onnx["resnet18"], _inputs(mod.signature))
+    mod.unload()
+
+
+def test_modules_loaded_together_stay_apart(compiled, example_onnx):
+    # Each module must get its own library even when loads and unloads interleave.
+    a = _load(compiled("multi_input"))
+    b = _load(compiled("multi_output"))
+    a.unload()
+    c = _load(compiled("multi_input", separate=True))
+    c.set_weights((compiled("multi_input", separate=True) / "weights.bin").read_bytes())
+    _check_against_ort(b, example_onnx["multi_output"], _inputs(b.signature))
+    _check_against_ort(c, example_onnx["multi_input"], _inputs(c.signature))
+    b.unload()
+    c.unload()
+
+
+def test_module_without_dspx_blobs(tmp_path):
+    # A plain TVM export: no io_meta ("no metadata", not an error), no signature.
+    import tvm
+    from tvm import relax
+    from tvm.script import relax as R
+
+    @tvm.script.ir_module
+    class Add:
+        @R.function
+        def main(x: R.Tensor((4,), "float32"), y: R.Tensor((4,), "float32")):
+            return R.add(x, y)
+
+    tvm.compile(Add, "llvm").export_library(str(tmp_path / "add.so"))
+    mod = loader.load_module((tmp_path / "add.so").read_bytes())
+    assert mod.io_meta is None and mod.signature is None and mod.entry == "main"
+    assert loader.describe(mod)["io_meta"] is None
+    x = np.arange(4, dtype=np.float32)
+    np.testing.assert_array_equal(mod.run([x, x])[0], 2 * x)
+    mod.unload()
+
+
+def test_describe(compiled):
+    mod = _load(compiled("multi_output"))
+    d = loader.describe(mod)
+    assert d["io_meta"] == {"num_inputs": 1, "num_outputs": 7, "input_bytes": 384, "output_bytes": 1792, "flags": 1}
+    assert d["signature"]["weights"] == "embedded" and d["text_size"] == mod.text_size
+    assert d["workspace_bytes"] == mod.signature.workspace_bytes
+    mod.unload()
+
+
+def test_zero_copy_inputs():
+    buf = np.empty(4096 + 64, np.uint8)
+    skip = -buf.ctypes.data % 64
+    aligned = buf[skip:skip + 4096].view(np.float32).reshape(32, 32)
+    assert np.from_dlpack(loader.as_tensor(aligned)).ctypes.data == aligned.ctypes.data
+    unaligned = buf[skip + 4:skip + 4 + 4032].view(np.float32)
+    copied = np.from_dlpack(loader.as_tensor(unaligned))
+    assert copied.ctypes.data % 64 == 0 and copied.ctypes.data != unaligned.ctypes.data
+    np.testing.assert_array_equal(copied, unaligned)
+
+
+def test_no_fd_or_thread_left_behind(compiled):
+    data = (compiled("multi_output") / "model.so").read_bytes()
+    fds, threads = set(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+    mod = loader.load_module(data)
+    mod.run(_inputs(mod.signature))
+    assert len(os.listdir("/proc/self/task")) == threads  # the core's thread budget is not ours to grow
+    mod.unload()
+    assert set(os.listdir("/proc/self/fd")) == fds
+    assert not any("dspx-module" in line for line in open("/proc/self/maps"))
+
+
+# ---------------------------------------------------------------- refusals
+
+def _gcc_so(tmp_path, source: str) -> bytes:
+    src, so = tmp_path / "m.c", tmp_path / "m.so"
+    src.write_text(source)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    return so.read_bytes()
+
+
+def _patched(data: bytes, offset: int, value: bytes) -> bytes:
+    return data[:offset] + value + data[offset + len(value):]
+
+
+@pytest.fixture(scope="module")
+def good_elf(compiled) -> bytes:
+    return (compiled("multi_output") / "model.so").read_bytes()
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: b"MZ\x90\x00" + d[4:], "not an ELF file"),
+    (lambda d: b"", "not an ELF file"),
+    (lambda d: _patched(d, 4, b"\x01"), "ELFCLASS32"),
+    (lambda d: _patched(d, 5, b"\x02"), "not little endian"),
+    (lambda d: _patched(d, 18, (183).to_bytes(2, "little")), "ELF for machine EM_AARCH64, this device is EM_X86_64"),
+    (lambda d: _patched(d, 16, (2).to_bytes(2, "little")), "ET_EXEC"),
+    (lambda d: d[:len(d) // 3], "malformed ELF"),
+    (lambda d: d.replace(b"TIOM\x01\0\0\0", b"XIOM\x01\0\0\0", 1), "io_meta magic"),
+    (lambda d: d.replace(b'"format":"dspx-signature/1"', b'"format":"dspx-signature/9"', 1), "dspx-signature/9"),
+])
+def test_bad_elf_is_load_error(good_elf, mutate, message):
+    with pytest.raises(LoadError, match=message) as e:
+        loader.load_module(mutate(good_elf))
+    assert e.value.status == Status.ERR_LOAD
+
+
+def test_import_outside_export_table(tmp_path):
+    elf = _gcc_so(tmp_path, '#include <stdlib.h>\nint run(void) { return system("true"); }\n')
+    with pytest.raises(SymbolError, match="'system'") as e:
+        loader.load_module(elf)
+    assert e.value.symbol == "system" and e.value.status == Status.ERR_SYMBOL
+
+
+def test_missing_entry(tmp_path):
+    elf = _gcc_so(tmp_path, "int add1(int x) { return x + 1; }\n")
+    with pytest.raises(SymbolError, match=loader.ENTRY_SYMBOL) as e:
+        loader.load_module(elf)
+    assert e.value.symbol == loader.ENTRY_SYMBOL
+
+
+def test_kernel_import_not_exported(compiled):
+    _kernel_library()
+    out = compiled("multi_output", kernels=True)
+    sig = _load(out, {"dspx.kernels.dense", "dspx.kernels.softmax"}).signature
+    assert sig.kernel_imports
+    with pytest.raises(SymbolError, match=sig.kernel_imports[0]) as e:
+        _load(out, set(sig.kernel_imports[1:]))
+    assert e.value.symbol == sig.kernel_imports[0]
+
+
+def test_ddr_pool_too_small(good_elf):
+    with pytest.raises(NoMemError) as e:
+        loader.load_module(good_elf, ddr_free=4096, ddr_total=8192)
+    assert e.value.status == Status.ERR_NOMEM
+    assert e.value.oom_requested > 4096 and (e.value.oom_free, e.value.oom_total) == (4096, 8192)
+
+
+def test_export_table():
+    assert exports.check_imports(["TVMFFIErrorSetRaisedFromCStrParts", "expf", "memset", "__cxa_finalize",
+                                  "TVMBackendAllocWorkspace"]) is None
+    assert exports.check_imports(["expf", "system", "fork"]) == "system"
+
+
+def test_weights_refused(compiled):
+    sep = compiled("multi_output", separate=True)
+    mod = _load(sep)
+    data = (sep / "weights.bin").read_bytes()
+    with pytest.raises(WeightsError, match="none are loaded") as e:
+        mod.run(_inputs(mod.signature))
+    assert e.value.status == Status.ERR_WEIGHTS
+    with pytest.raises(WeightsError, match="truncated"):
+        mod.set_weights(data[:-100])
+    with pytest.raises(WeightsError, match="digest"):
+        mod.set_weights(data[:-1] + bytes([data[-1] ^ 1]))
+    other = (compiled("multi_input", separate=True) / "weights.bin").read_bytes()
+    with pytest.raises(WeightsError, match="another model"):
+        mod.set_weights(other)
+    mod.unload()
+    embedded = _load(compiled("multi_output"))
+    with pytest.raises(WeightsError, match="carries its own weights"):
+        embedded.set_weights(data)
+    embedded.unload()
+
+
+def test_wrong_inputs_are_tensor_errors(compiled):
+    mod = _load(compiled("multi_output"))
+    with pytest.raises(TensorError, match="takes 1 inputs"):
+        mod.run([])
+    with pytest.raises(TensorError, match=r"expected \[2, 32\] float32"):
+        mod.run([np.zeros((2, 32), np.float64)])
+    mod.unload()
+
+
+# ---------------------------------------------------------------- no leaks
+
+def _rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def test_resnet18_load_unload_does_not_leak(compiled):
+    data = (compiled("resnet18") / "model.so").read_bytes()
+    rss = []
+    for _ in range(50):
+        mod = loader.load_module(data)
+        mod.unload()
+        del mod
+        rss.append(_rss_mb())
+    assert max(rss[1:]) - rss[0] <= 5, f"RSS after cycle 1: {rss[0]:.1f} MB, max after: {max(rss[1:]):.1f} MB"
+
+
+def test_load_infer_unload_cycles_do_not_leak(compiled):
+    data = (compiled("multi_output") / "model.so").read_bytes()
+    x = [np.ones((2, 32), np.float32)]
+    rss = []
+    for _ in range(50):
+        mod = loader.load_module(data)
+        outs = [o.copy() for o in mod.run(x)]
+        mod.unload()
+        del mod
+        rss.append(_rss_mb())
+    assert len(outs) == 7
+    assert max(rss[1:]) - rss[0] <= 5
