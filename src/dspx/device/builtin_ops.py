@@ -1,0 +1,83 @@
+"""Firmware operators, registered before the service starts.
+
+softmax (cmd 0x1402) is the UCP sample operator: its input buffer holds the
+packed parameter struct ``int32 data_size; uint64 input; uint8 run_tcm_opt``
+(13 bytes, ``<iQB``; data_size in bytes), ``input`` is the DSP address of
+the float32 data, and the output buffer receives softmax(data).
+``run_tcm_opt`` 0 computes over DDR directly, 1 streams the data through the
+two L2 banks (ping-pong DMA).  Written only against the runtime's export
+table, like an op library.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .runtime import (TILE_ELEMS, Status, cycles, mem_map, mem_unmap, ping_pong, printf, vecexp_max,
+                      vecmax, vecmul)
+
+SOFTMAX_CMD = 0x1402
+SOFTMAX_LATENCY_US = 0
+SOFTMAX_PARAM = np.dtype([("data_size", "<i4"), ("input", "<u8"), ("run_tcm_opt", "u1")])  # packed
+
+
+def softmax_direct(src: np.ndarray, dst: np.ndarray) -> None:
+    """Whole-array vector passes over DDR (the seed's dsp_softmax)."""
+    m = vecmax(src)
+    total = vecexp_max(dst, src, m)
+    vecmul(dst, dst, np.float32(1) / total)
+
+
+def softmax_ping_pong(src: np.ndarray, dst: np.ndarray, tm, tile_elems: int = TILE_ELEMS) -> None:
+    """Three ping-pong passes through L2: max; exp(x - max) and its sum,
+    written back; multiply by 1/sum in place in dst."""
+    n = src.size
+    m = np.float32(-np.inf)
+    total = 0.0
+
+    def tile_max(tile):
+        nonlocal m
+        m = np.maximum(m, vecmax(tile))  # propagates NaN like vecmax over the whole array
+
+    def tile_exp_sum(tile):
+        nonlocal total
+        # float32 tile sums added in double: as accurate as the direct path's pairwise sum
+        total += float(vecexp_max(tile, tile, m))
+
+    ping_pong(src, None, n, tile_max, tm, tile_elems=tile_elems, write_back=False)
+    ping_pong(src, dst, n, tile_exp_sum, tm, tile_elems=tile_elems)
+    inv = np.float32(1) / np.float32(total)
+    ping_pong(dst, dst, n, lambda tile: vecmul(tile, tile, inv), tm, tile_elems=tile_elems)
+
+
+def softmax(input: np.ndarray, output: np.ndarray, tm) -> int:
+    if input.nbytes < SOFTMAX_PARAM.itemsize:
+        printf("softmax: input holds %d bytes, the parameter struct needs %d\n",
+               input.nbytes, SOFTMAX_PARAM.itemsize)
+        return Status.ERR_SIZE
+    p = np.frombuffer(input, SOFTMAX_PARAM, count=1)[0]
+    size, addr, tcm = int(p["data_size"]), int(p["input"]), int(p["run_tcm_opt"])
+    if size < 0 or size % 4:
+        printf("softmax: data_size %d is not a whole number of float32s\n", size)
+        return Status.ERR_INVALID
+    if output.nbytes < size:
+        printf("softmax: output holds %d bytes, data_size is %d\n", output.nbytes, size)
+        return Status.ERR_SIZE
+    if size == 0:
+        return 0
+    raw = mem_map(addr, size)
+    src = raw.view(np.float32)
+    dst = output[:size].view(np.float32)
+    start = cycles()
+    if tcm:
+        softmax_ping_pong(src, dst, tm)
+        printf("find softmax ping-pong tcm is %d cycles\n", cycles() - start)
+    else:
+        softmax_direct(src, dst)
+        printf("find softmax ddr tcm is %d cycles\n", cycles() - start)
+    mem_unmap(raw)
+    return 0
+
+
+def register(registry) -> None:
+    """Put the firmware operators into an OpRegistry."""
+    registry.register(SOFTMAX_CMD, softmax, SOFTMAX_LATENCY_US, "softmax")
