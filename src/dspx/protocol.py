@@ -11,6 +11,7 @@ See docs/protocol.md for every layout with offsets.
 from __future__ import annotations
 
 import enum
+import operator
 import struct
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
@@ -257,7 +258,7 @@ class Message:
 
     @classmethod
     def fixed_size(cls) -> int:
-        return HEADER_SIZE + cls.BODY.size
+        return cls.SIZE
 
     def _tail(self) -> bytes:
         if self.TAIL == "descs":
@@ -267,30 +268,32 @@ class Message:
         return b""
 
     def encode(self) -> bytes:
-        tail = self._tail()
-        size = self.fixed_size() + len(tail)
+        tail = self._tail() if self.TAIL else b""
+        size = self.SIZE + len(tail)
         if size > MAX_MSG:
             raise ProtocolError(f"{type(self).__name__} would be {size} bytes > {MAX_MSG}")
-        body = self.BODY.pack(*(getattr(self, f) for f in self.FIELDS))
-        return HEADER.pack(self.TYPE, self.seq & 0xFFFFFFFF, size, self.status) + body + tail
+        return self.FULL.pack(self.TYPE, self.seq & 0xFFFFFFFF, size, self.status, *self._values()) + tail
 
     @classmethod
     def decode_body(cls, seq: int, status: int, data: memoryview | bytes) -> "Message":
-        n = cls.fixed_size()
+        n = cls.SIZE
         tail_len = len(data) - n
         if tail_len < 0 or (cls.TAIL is None and tail_len != 0):
             raise ProtocolError(
                 f"{cls.__name__} must be {n} bytes, got {len(data)}", Status.ERR_INVALID, seq, cls.TYPE)
-        values = cls.BODY.unpack_from(data, HEADER_SIZE)
-        kw = dict(zip(cls.FIELDS, values))
-        msg = cls(seq=seq, status=status, **kw)
+        # Hot path: fill the instance directly instead of going through __init__.
+        msg = cls.__new__(cls)
+        d = msg.__dict__
+        d.update(zip(cls.FIELDS, cls.BODY.unpack_from(data, HEADER_SIZE)))
+        d["seq"] = seq
+        d["status"] = status
         if cls.TAIL == "descs":
             if tail_len % TensorDesc.SIZE:
                 raise ProtocolError(f"{cls.__name__}: descriptor tail of {tail_len} bytes is not a "
                                     f"multiple of {TensorDesc.SIZE}", Status.ERR_INVALID, seq, cls.TYPE)
-            msg.descs = decode_descs(data, tail_len // TensorDesc.SIZE, n)
+            d["descs"] = decode_descs(data, tail_len // TensorDesc.SIZE, n)
         elif cls.TAIL == "payload":
-            msg.payload = bytes(data[n:])
+            d["payload"] = bytes(data[n:])
         return msg
 
 
@@ -300,7 +303,12 @@ def _msg(type_code: int, fmt: str, names: str, tail: str | None = None):
     def deco(cls):
         cls.TYPE = type_code
         cls.BODY = struct.Struct("<" + fmt)
+        cls.FULL = struct.Struct("<IIIi" + fmt)
+        cls.SIZE = cls.FULL.size
         cls.FIELDS = tuple(names.split()) if names else ()
+        cls.NAME = MsgType(type_code & ~RESPONSE_BIT).name + ("_RESP" if type_code & RESPONSE_BIT else "")
+        get = operator.attrgetter(*cls.FIELDS) if cls.FIELDS else (lambda self: ())
+        cls._values = (lambda self: (get(self),)) if len(cls.FIELDS) == 1 else (lambda self: get(self))
         cls.TAIL = tail
         _REGISTRY[type_code] = cls
         return cls

@@ -17,8 +17,7 @@ import time
 
 from .protocol import MAX_MSG
 
-MAX_FDS = 4
-_CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+MAX_FDS = 4  # a protocol message carries at most one dmabuf; a few more are tolerated and closed
 
 
 class TransportError(ConnectionError):
@@ -103,9 +102,12 @@ def connect(path: str, timeout: float = 5.0) -> "Endpoint":
 class Endpoint:
     """One end of a message channel."""
 
-    def __init__(self, sock: socket.socket, max_msg: int = MAX_MSG):
+    def __init__(self, sock: socket.socket, max_msg: int = MAX_MSG, max_fds: int = MAX_FDS):
         self.sock = sock
         self.max_msg = max_msg
+        self._cmsg_space = socket.CMSG_SPACE(max_fds * array.array("i").itemsize)
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLRDHUP)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -124,23 +126,16 @@ class Endpoint:
         when the datagram was longer than ``bufsize`` (max_msg + 1 by
         default, so an oversized message is visible as such).  Raises
         PeerClosed on EOF and Timeout when nothing arrives in time."""
-        if timeout is not None:
+        if timeout is not None and not self._poll.poll(0):
             deadline = time.monotonic() + timeout
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
+            while not self._poll.poll(max(0, int((deadline - time.monotonic()) * 1000) + 1)):
+                if time.monotonic() >= deadline:
                     raise Timeout(f"no message within {timeout:.3g} s")
-                try:
-                    r, _, _ = select.select([self.sock], [], [], left)
-                except InterruptedError:
-                    continue
-                if r:
-                    break
         return self.recv_ready(bufsize)
 
     def recv_ready(self, bufsize: int | None = None):
         try:
-            data, anc, flags, _ = self.sock.recvmsg(bufsize or self.max_msg + 1, _CMSG_SPACE,
+            data, anc, flags, _ = self.sock.recvmsg(bufsize or self.max_msg + 1, self._cmsg_space,
                                                     socket.MSG_CMSG_CLOEXEC)
         except (ConnectionResetError, BrokenPipeError):
             raise PeerClosed("peer reset the channel") from None
@@ -149,7 +144,7 @@ class Endpoint:
                 raise Timeout("no message ready") from None
             raise
         fds: list[int] = []
-        for level, ctype, cdata in anc:
+        for level, ctype, cdata in anc or ():
             if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
                 a = array.array("i")
                 a.frombytes(cdata[: len(cdata) - (len(cdata) % a.itemsize)])

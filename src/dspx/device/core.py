@@ -118,6 +118,7 @@ class Core:
             return self.ops.handle(msg)
         if kind == "crash":  # fault injection for tests of the front's supervision
             os._exit(70)
+
         raise ValueError(f"unknown job kind {kind!r}")
 
     def load(self, msg: dict) -> dict:
@@ -151,7 +152,8 @@ class Core:
         return out
 
     def serve(self) -> None:
-        jobs.send(self.ep, {"kind": "hello", "core": self.index, "pid": os.getpid()})
+        jobs.send(self.ep, {"kind": "hello", "core": self.index, "pid": os.getpid(),
+                            "ops": self.ops.op_list(lib=0)})
         while True:
             try:
                 msg, fds = jobs.recv(self.ep)
@@ -185,10 +187,11 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=0)
     a = ap.parse_args(argv)
     if a.threads:
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        # Before numpy/TVM/torch load: each sizes its pool from these once.
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TVM_NUM_THREADS"):
             os.environ.setdefault(var, str(a.threads))
     sock = socket.socket(fileno=a.fd)
-    core = Core(Endpoint(sock), a.index, a.threads)
+    core = Core(jobs.endpoint(sock), a.index, a.threads)
     try:
         core.serve()
     except KeyboardInterrupt:

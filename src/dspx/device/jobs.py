@@ -11,6 +11,11 @@ import pickle
 from ..transport import Endpoint
 
 MAX_JOB_MSG = 1 << 20
+MAX_JOB_FDS = 250  # SCM_MAX_FD: every buffer a connection has, on its first job
+
+
+def endpoint(sock) -> Endpoint:
+    return Endpoint(sock, MAX_JOB_MSG, MAX_JOB_FDS)
 
 
 def send(ep: Endpoint, obj: dict, fds=()) -> None:

@@ -137,7 +137,7 @@ class CoreProc:
             pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
         child.close()
         parent.setblocking(True)
-        self.ep = Endpoint(parent)
+        self.ep = jobs.endpoint(parent)
         self.generation += 1
         self.known_bufs = set()
         self.running = None
@@ -178,6 +178,7 @@ class Service:
         self.cores = [CoreProc(i, threads) for i in range(cores)]
         self.parent_pid = parent_pid
         self.sel = selectors.DefaultSelector()
+        self._handlers = {t.value: getattr(self, "_h_" + t.name.lower()) for t in P.MsgType}
         self.running = False
         self.log = log or (lambda *a: None)
 
@@ -191,17 +192,21 @@ class Service:
         self.sel.register(self.lsock, selectors.EVENT_READ, ("listen", None))
         for c in self.cores:
             self._start_core(c)
+        next_check = 0.0
         try:
             while self.running:
-                for key, _ in self.sel.select(timeout=0.25):
+                for key, _ in self.sel.select(timeout=0.1):
                     kind, obj = key.data
-                    if kind == "listen":
-                        self._accept()
-                    elif kind == "conn":
+                    if kind == "conn":
                         self._on_conn(obj)
                     elif kind == "core":
                         self._on_core(obj)
-                self._housekeeping()
+                    else:
+                        self._accept()
+                now = time.monotonic()
+                if now >= next_check:  # off the per-message path
+                    self._housekeeping()
+                    next_check = now + 0.05
         finally:
             self.shutdown()
 
@@ -245,6 +250,8 @@ class Service:
         if msg.get("kind") != "hello":
             raise RuntimeError(f"core {c.index} did not start: {msg}")
         c.ready = True
+        for cmd, name, lat in msg.get("ops", ()):  # the firmware's built-in operators
+            self.op_table.setdefault(cmd, (name, lat, 0))
         for handle, (src, fname) in sorted(self.op_sources.items()):
             jobs.send(c.ep, {"kind": "ops_load", "handle": handle, "source": src, "filename": fname,
                              "broadcast": True})
@@ -296,7 +303,7 @@ class Service:
         self._schedule()
 
     def _send_to_core(self, c: CoreProc, msg: dict, bufs=()) -> None:
-        new = [b for b in bufs if b.buf_id not in c.known_bufs]
+        new = list({b.buf_id: b for b in bufs if b.buf_id not in c.known_bufs}.values())
         msg["new_bufs"] = [(b.buf_id, b.region.size) for b in new]
         jobs.send(c.ep, msg, [b.fd for b in new])
         c.known_bufs.update(b.buf_id for b in new)
@@ -391,6 +398,9 @@ class Service:
             return
         try:
             self._dispatch(conn, data, fds, truncated)
+        except Exception as e:  # a bug on one connection must not take the device down
+            self.log(f"internal error on connection {conn.cid}: {e!r}")
+            self._close_conn(conn)
         finally:
             for fd in fds:  # handlers take the fds they keep out of this list
                 try:
@@ -434,7 +444,7 @@ class Service:
             conn.last_error = (e.seq or 0, int(e.status), str(e))
             self._send(conn, P.error_response(e.msg_type, e.seq, e.status))
             return
-        handler = getattr(self, "_h_" + P.MsgType(req.TYPE).name.lower())
+        handler = self._handlers[req.TYPE]
         try:
             resp = handler(conn, req, fds)
         except Reject as e:

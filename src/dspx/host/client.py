@@ -165,8 +165,8 @@ class Client:
         raise device_error(resp.status, detail, request, **numbers)
 
     def request(self, msg: P.Message, fds=(), timeout: float | None = None) -> P.Message:
-        name = P.MsgType(msg.TYPE).name
-        return self.check(self.wait(self.send(msg, fds), timeout, name), name)
+        resp = self.wait(self.send(msg, fds), timeout, msg.NAME)
+        return resp if resp.status == 0 else self.check(resp, msg.NAME)
 
     # ---------------------------------------------------------------- basics
     def ping(self) -> dict:

@@ -1,0 +1,1052 @@
+"""The firmware kernel library (the MMALIB analogue).
+
+Compiled modules do not carry their heavy operators: they call these kernels
+by name (``R.call_dps_packed("dspx.kernels.conv2d", ...)``), and the name is
+resolved against the firmware when the module's VM is created. A module
+whose import is not in :func:`names` must be refused at DYN_LOAD with
+ERR_SYMBOL naming it.
+
+Calling convention (destination passing, checked against TVM 0.27): every
+kernel is called ``fn(*inputs, *attrs, *outputs)``. Inputs and outputs are
+TVM tensors (we take zero-copy numpy / torch views through DLPack and write
+the outputs in place); attributes are ``R.prim_value`` ints/floats or
+``R.shape`` tuples, passed as extra arguments. The spec of every kernel is in
+:data:`KERNELS` and docs/kernels.md.
+
+Backends (measured choices, docs/kernels.md): onnxruntime single-op sessions
+on one process-wide thread pool for convolution, pooling, large dense layers
+and quantized GEMV (MatMulNBits); PyTorch's oneDNN convolution with prepacked
+weights as the alternative (``configure_backend("torch")``); numpy for the
+small and memory-bound rest. Every kernel has a numpy fallback, so torch and
+onnxruntime stay optional. All of them release the interpreter lock while
+computing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+PREFIX = "dspx.kernels."
+
+# Attribute encodings shared with dspx.compiler.kernel_rewrite.
+LAYOUT_NCHW = 0
+LAYOUT_NHWC = 1
+ACT_NONE = 0
+ACT_RELU = 1
+# Flags or-ed into a layout code (see kernel_rewrite): the tensor is in the
+# backend's private blocked layout (onnxruntime NCHWc; same shape as NCHW,
+# channels a multiple of 16). Other backends keep blocked tensors plain NCHW,
+# which is self-consistent because one backend serves a whole module.
+IN_BLOCKED = 4
+OUT_BLOCKED = 8
+RES_BLOCKED = 16
+ROPE_HALF = 0  # rotate-half (HF Llama / NeoX)
+ROPE_INTERLEAVED = 1  # pairs (2i, 2i+1) (GPT-J / GGUF "normal")
+
+
+class KernelError(ValueError):
+    """A kernel was called with arguments that break its documented contract."""
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    fn: Callable[..., None]
+    inputs: tuple[str, ...]
+    attrs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    backend: str
+    doc: str = field(default="")
+
+    @property
+    def signature(self) -> str:
+        return f"{self.name}({', '.join(self.inputs + self.attrs + self.outputs)})"
+
+
+KERNELS: dict[str, KernelSpec] = {}
+
+
+def _kernel(short: str, inputs: str, attrs: str, outputs: str, backend: str):
+    def deco(fn):
+        name = PREFIX + short
+        KERNELS[name] = KernelSpec(
+            name, fn, tuple(inputs.split()), tuple(attrs.split()), tuple(outputs.split()),
+            backend, (fn.__doc__ or "").strip())
+        return fn
+    return deco
+
+
+# ---------------------------------------------------------------- backends
+
+_torch: Any = None
+_torch_checked = False
+_threads = 2
+_lock = threading.Lock()
+
+
+def _get_torch():
+    """torch is optional: import it once, lazily; without it warn in one line."""
+    global _torch, _torch_checked
+    if not _torch_checked:
+        _torch_checked = True
+        try:
+            import torch
+            torch.set_num_threads(_threads)
+            _torch = torch
+        except ImportError:
+            log.warning("dspx kernels: torch not installed; convolution and pooling use the "
+                        "numpy fallback (2x slower) -- pip install 'dspx[kernels]'")
+    return _torch
+
+
+def configure_threads(n: int) -> None:
+    """Give every threaded backend of this process the core's thread budget ``n``.
+
+    One threaded backend per process is the rule (oversubscription cost 5-20x
+    here); torch's OpenMP pool and onnxruntime's global pool are sized to n.
+    numpy's OpenBLAS pool can only be sized before numpy loads
+    (OPENBLAS_NUM_THREADS), which the device core process does.
+    """
+    global _threads
+    if n < 1:
+        raise KernelError(f"thread budget must be >= 1, got {n}")
+    _threads = n
+    if _torch is not None:
+        _torch.set_num_threads(n)
+    # numpy's BLAS only does the small leftovers (attention, batched matmul)
+    # once a threaded backend exists: keep it to one thread so it never spins
+    # against that backend's pool.
+    _set_blas_threads(n if backend() == "numpy" else 1)
+
+
+def _set_blas_threads(n: int) -> bool:
+    """Resize the OpenBLAS pool numpy loaded (numpy has no API for it)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "openblas" in line and ".so" in line}
+    except OSError:
+        return False
+    for path in libs:
+        lib = ctypes.CDLL(path)
+        for sym in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(lib, sym, None)
+            if fn is not None:
+                fn(ctypes.c_int(n))
+                return True
+    return False
+
+
+BACKENDS = ("onnxruntime", "torch", "numpy")
+# Convolution/pooling backend. onnxruntime first: measured here its thread
+# pool keeps its speed when other processes share the cores (a 64ch 3x3 conv:
+# 1.8 ms median vs 17.9 ms for torch's OpenMP, both 1.0-1.1 ms on idle
+# cores), and the device shares its cores with the host and the other DSP
+# cores. torch (oneDNN, NHWC, prepacked) is ~7 % faster on idle cores.
+_backend = os.environ.get("DSPX_KERNEL_BACKEND", "auto")
+if _backend not in BACKENDS + ("auto",):
+    log.warning("DSPX_KERNEL_BACKEND=%r is not one of auto, %s; using auto",
+                _backend, ", ".join(BACKENDS))
+    _backend = "auto"
+
+
+def configure_backend(name: str) -> str:
+    """Pick the convolution/pooling/dense backend: auto | onnxruntime | torch | numpy.
+
+    Switch only while no module is loaded: blocked tensors are in the
+    backend's private layout.
+    """
+    global _backend
+    if name not in BACKENDS + ("auto",):
+        raise KernelError(f"unknown kernel backend {name!r}; "
+                          f"choose from auto, {', '.join(BACKENDS)}")
+    _backend = name
+    clear_caches()
+    return backend()
+
+
+def backend() -> str:
+    """The convolution/pooling backend in use (resolving "auto")."""
+    if _backend != "auto":
+        if _backend == "torch" and _get_torch() is None:
+            return "numpy"
+        if _backend == "onnxruntime" and not _have_ort():
+            return "numpy"
+        return _backend
+    if _have_ort():
+        return "onnxruntime"
+    return "torch" if _get_torch() is not None else "numpy"
+
+
+_ort_checked: bool | None = None
+
+
+def _have_ort() -> bool:
+    global _ort_checked
+    if _ort_checked is None:
+        try:
+            import onnx  # noqa: F401
+            import onnxruntime  # noqa: F401
+            _ort_checked = True
+        except ImportError:
+            _ort_checked = False
+    return _ort_checked
+
+
+class _OrtOp:
+    """A one-node (or tiny) ONNX graph in a session on the shared pool.
+
+    Runs with an IOBinding straight on the caller's memory: no copies in or out.
+    """
+
+    def __init__(self, nodes, inputs: list[tuple[str, tuple]], out: tuple[str, tuple],
+                 inits: dict[str, np.ndarray], opset: int = 17):
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+
+        g = helper.make_graph(
+            nodes, "k", [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(sh))
+                         for n, sh in inputs],
+            [helper.make_tensor_value_info(out[0], TensorProto.FLOAT, list(out[1]))],
+            [numpy_helper.from_array(np.ascontiguousarray(v), k) for k, v in inits.items()])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+        m.ir_version = 8
+        self.sess = ort.InferenceSession(m.SerializeToString(), ort_session_options(),
+                                         providers=["CPUExecutionProvider"])
+        self.names = [n for n, _ in inputs]
+        self.out = out[0]
+        self.io = self.sess.io_binding()
+        self.bound: tuple = ()
+
+    def __call__(self, arrays: list[np.ndarray], out: np.ndarray) -> None:
+        io = self.io
+        # The VM's memory plan usually hands the same buffers every call:
+        # rebinding costs ~10 us, so only rebind when an address changed.
+        ptrs = tuple(a.ctypes.data for a in arrays) + (out.ctypes.data,)
+        if ptrs != self.bound:
+            for name, a in zip(self.names, arrays):
+                io.bind_input(name, "cpu", 0, np.float32, list(a.shape), a.ctypes.data)
+            io.bind_output(self.out, "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+            self.bound = ptrs
+        self.sess.run_with_iobinding(io)
+
+
+def _np(t) -> np.ndarray:
+    return np.from_dlpack(t)
+
+
+def _ints(shape) -> list[int]:
+    return [int(v) for v in shape]
+
+
+# Prepacked weights, keyed by the constant's address and shape. Module
+# constants live as long as the module, so the address is stable; a
+# fingerprint of sampled values guards against a later module reusing the
+# address. The loader calls clear_caches() on DYN_UNLOAD anyway.
+_cache: dict[tuple, tuple[bytes, Any]] = {}
+
+
+def _fingerprint(a: np.ndarray) -> bytes:
+    flat = a.reshape(-1)
+    step = max(1, flat.size // 16)
+    return flat[::step][:16].tobytes()
+
+
+def _cached(a: np.ndarray, extra: tuple, make: Callable[[], Any]) -> Any:
+    key = (a.ctypes.data, a.shape, a.dtype.str) + extra
+    fp = _fingerprint(a)
+    hit = _cache.get(key)
+    if hit is not None and hit[0] == fp:
+        return hit[1]
+    with _lock:
+        value = make()
+        _cache[key] = (fp, value)
+    return value
+
+
+def clear_caches() -> None:
+    """Drop every prepacked weight and per-weight session (call on DYN_UNLOAD)."""
+    with _lock:
+        _cache.clear()
+        _rope_tables.clear()
+        _pool_ops.clear()
+
+
+def cache_size() -> int:
+    return len(_cache)
+
+
+# ---------------------------------------------------------------- convolution
+
+def _conv_out(size: int, k: int, s: int, p0: int, p1: int, d: int) -> int:
+    return (size + p0 + p1 - d * (k - 1) - 1) // s + 1
+
+
+def _conv_numpy(x, w, b, strides, pads, dil, groups):
+    """NCHW im2col + matmul; x (N,C,H,W), w (O,C/g,KH,KW) -> (N,O,Ho,Wo)."""
+    n, c, h, wd = x.shape
+    o, cg, kh, kw = w.shape
+    pt, pl, pb, pr = pads
+    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    ho = _conv_out(h, kh, strides[0], pt, pb, dil[0])
+    wo = _conv_out(wd, kw, strides[1], pl, pr, dil[1])
+    ekh, ekw = dil[0] * (kh - 1) + 1, dil[1] * (kw - 1) + 1
+    win = np.lib.stride_tricks.sliding_window_view(xp, (ekh, ekw), axis=(2, 3))
+    win = win[:, :, ::strides[0], ::strides[1], ::dil[0], ::dil[1]][:, :, :ho, :wo]
+    og = o // groups
+    cols = win.reshape(n, groups, cg, ho, wo, kh, kw).transpose(0, 1, 3, 4, 2, 5, 6)
+    cols = cols.reshape(n, groups, ho * wo, cg * kh * kw)
+    wm = w.reshape(groups, og, cg * kh * kw).transpose(0, 2, 1)
+    y = np.matmul(cols, wm)  # (n, g, ho*wo, og)
+    y = y.transpose(0, 1, 3, 2).reshape(n, o, ho, wo)
+    if b is not None:
+        y += b.reshape(1, o, 1, 1)
+    return y
+
+
+def _conv2d_impl(x_t, w_t, b_t, r_t, strides, padding, dilation, groups, layout, act, out_t):
+    x, w, out = _np(x_t), _np(w_t), _np(out_t)
+    b = _np(b_t) if b_t is not None else None
+    res = _np(r_t) if r_t is not None else None
+    strides, pads, dil = _ints(strides), _ints(padding), _ints(dilation)
+    groups, layout, act = int(groups), int(layout), int(act)
+    flags, layout = layout & ~3, layout & 3
+    if len(pads) == 2:
+        pads = pads + pads
+    if x.ndim != 4 or w.ndim != 4 or out.ndim != 4:
+        raise KernelError("conv2d expects 4-D data, weight and output")
+    if layout not in (LAYOUT_NCHW, LAYOUT_NHWC):
+        raise KernelError(f"conv2d: unknown layout code {layout}")
+    cin = x.shape[1] if layout == LAYOUT_NCHW else x.shape[3]
+    if cin != w.shape[1] * groups or w.shape[0] % groups:
+        raise KernelError(f"conv2d: input channels {cin} do not match weight {w.shape} "
+                          f"with groups={groups}")
+    be = backend()
+    if be == "onnxruntime" and flags:
+        if layout != LAYOUT_NCHW:
+            raise KernelError("conv2d: blocked tensors must be NCHW-shaped")
+        _conv_nchwc(x, w, b, res, strides, pads, dil, groups, act, flags, out)
+        return
+    if be == "onnxruntime":
+        _conv_ort(x, w, b, res, strides, pads, dil, groups, layout, act, out)
+        return
+    torch = _get_torch() if be == "torch" else None
+    if torch is None:
+        xn = x if layout == LAYOUT_NCHW else x.transpose(0, 3, 1, 2)
+        y = _conv_numpy(xn, w, b, strides, pads, dil, groups)
+        if layout == LAYOUT_NHWC:
+            y = y.transpose(0, 2, 3, 1)
+        if res is not None:
+            y += res
+        if act == ACT_RELU:
+            np.maximum(y, 0, out=y)
+        out[...] = y
+        return
+    # NHWC numpy buffers become channels_last torch views: no copies.
+    tx = torch.from_numpy(x)
+    to = torch.from_numpy(out)
+    if layout == LAYOUT_NHWC:
+        tx, to = tx.permute(0, 3, 1, 2), to.permute(0, 3, 1, 2)
+    pt, pl, pb, pr = pads
+    if pt != pb or pl != pr:  # oneDNN takes symmetric padding only
+        tx = torch.nn.functional.pad(tx, (pl, pr, pt, pb))
+        if layout == LAYOUT_NHWC:
+            tx = tx.contiguous(memory_format=torch.channels_last)
+        pt = pl = 0
+    pad2 = [pt, pl]
+    in_shape = list(tx.shape)
+    wp = _cached(w, ("conv", tuple(pad2), tuple(strides), tuple(dil), groups, tuple(in_shape)),
+                 lambda: torch._C._nn.mkldnn_reorder_conv2d_weight(
+                     torch.from_numpy(w).to_mkldnn(), pad2, strides, dil, groups, in_shape))
+    tb = torch.from_numpy(b) if b is not None else None
+    unary = "relu" if act == ACT_RELU else None
+    if res is not None:
+        # out = act(conv(x) + b + res), accumulated by oneDNN straight into out.
+        tr = torch.from_numpy(res)
+        if layout == LAYOUT_NHWC:
+            tr = tr.permute(0, 3, 1, 2)
+        to.copy_(tr)
+        torch.ops.mkldnn._convolution_pointwise_.binary(
+            to, tx, wp, tb, pad2, strides, dil, groups, "add", 1.0, unary, [], "")
+        return
+    y = torch.ops.mkldnn._convolution_pointwise(
+        tx, wp, tb, pad2, strides, dil, groups, unary or "none", [], "")
+    to.copy_(y)
+
+
+def _conv_ort(x, w, b, res, strides, pads, dil, groups, layout, act, out):
+    """Conv (+Add) (+Relu) as one ORT graph, which ORT fuses into one FusedConv."""
+    from onnx import helper
+
+    nhwc = layout == LAYOUT_NHWC
+    # ORT convolves NCHW; NHWC data is transposed in and out (correct, slower:
+    # compile with layout="NCHW" for this backend).
+    xn = np.ascontiguousarray(x.transpose(0, 3, 1, 2)) if nhwc else x
+    rn = None
+    if res is not None:
+        rn = np.ascontiguousarray(res.transpose(0, 3, 1, 2)) if nhwc else res
+    on = np.empty(out.transpose(0, 3, 1, 2).shape, np.float32) if nhwc else out
+    if not on.flags.c_contiguous or not xn.flags.c_contiguous:
+        raise KernelError("conv2d: data and out must be contiguous")
+
+    def make():
+        nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=strides, pads=
+                                  [pads[0], pads[1], pads[2], pads[3]], dilations=dil,
+                                  group=groups)]
+        last, inputs = "c", [("x", xn.shape)]
+        if rn is not None:
+            nodes.append(helper.make_node("Add", ["c", "r"], ["a"]))
+            last = "a"
+            inputs.append(("r", rn.shape))
+        if act == ACT_RELU:
+            nodes.append(helper.make_node("Relu", [last], ["y"]))
+            last = "y"
+        bias = b if b is not None else np.zeros(w.shape[0], np.float32)
+        return _OrtOp(nodes, inputs, (last, on.shape), {"w": w, "b": bias})
+
+    op = _cached(w, ("ort-conv", tuple(strides), tuple(pads), tuple(dil), groups, act,
+                     rn is not None, xn.shape,
+                     b.ctypes.data if b is not None else 0), make)
+    op([xn] if rn is None else [xn, rn], on)
+    if nhwc:
+        out[...] = on.transpose(0, 2, 3, 1)
+
+
+def _nchwc_plan(node, x_shape, y_shape, inits):
+    """Let onnxruntime rewrite a one-op graph to NCHWc; return its NCHWc node and
+    initializers (the filter comes back in MLAS' blocked order), or None."""
+    import tempfile
+
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = helper.make_graph([node], "p", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                      list(x_shape))],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(y_shape))],
+                          [numpy_helper.from_array(np.ascontiguousarray(v), k)
+                           for k, v in inits.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    with tempfile.TemporaryDirectory() as d:
+        so = ort_session_options()
+        so.optimized_model_filepath = os.path.join(d, "opt.onnx")
+        ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        opt = onnx.load(so.optimized_model_filepath)
+    main = [n for n in opt.graph.node if n.domain == "com.microsoft.nchwc"
+            and n.op_type not in ("ReorderInput", "ReorderOutput")]
+    if len(main) != 1:
+        return None
+    reorder_in = any(n.op_type == "ReorderInput" for n in opt.graph.node)
+    return main[0], {i.name: numpy_helper.to_array(i) for i in opt.graph.initializer}, reorder_in
+
+
+class _NchwcOp(_OrtOp):
+    """One NCHWc op with reorders only where a neighbour is not blocked."""
+
+    def __init__(self, main, inits, reorder_in, x_shape, y_shape, channels_out,
+                 in_blocked, out_blocked, res_shape=None, res_blocked=False, act=ACT_NONE):
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+
+        nodes, feeds = [], [("x", x_shape)]
+        xin = "x"
+        if reorder_in and not in_blocked:
+            nodes.append(helper.make_node("ReorderInput", ["x"], ["xb"],
+                                          domain="com.microsoft.nchwc", channels_last=0))
+            xin = "xb"
+        elif in_blocked and not reorder_in:
+            raise KernelError("conv2d: onnxruntime will not take this input blocked")
+        ins = [xin] + list(main.input[1:])
+        if res_shape is not None:
+            feeds.append(("r", res_shape))
+            if res_blocked:
+                ins.append("r")
+            else:
+                nodes.append(helper.make_node("ReorderInput", ["r"], ["rb"],
+                                              domain="com.microsoft.nchwc", channels_last=0))
+                ins.append("rb")
+            while len(ins) < 4:  # Sum is the 4th input; keep B's slot
+                ins.insert(2, "")
+        attrs = {a.name: helper.get_attribute_value(a) for a in main.attribute}
+        if act == ACT_RELU:
+            attrs["activation"] = "Relu"
+        out = "y" if out_blocked else "yb"
+        nodes.append(helper.make_node(main.op_type, ins, [out], domain="com.microsoft.nchwc",
+                                      **attrs))
+        if not out_blocked:
+            nodes.append(helper.make_node("ReorderOutput", ["yb"], ["y"],
+                                          domain="com.microsoft.nchwc", channels_last=0,
+                                          channels=channels_out))
+        g = helper.make_graph(
+            nodes, "k", [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(sh))
+                         for n, sh in feeds],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(y_shape))],
+            [numpy_helper.from_array(v, k) for k, v in inits.items()])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                                helper.make_opsetid("com.microsoft.nchwc", 1)])
+        m.ir_version = 8
+        self.sess = ort.InferenceSession(m.SerializeToString(), ort_session_options(),
+                                         providers=["CPUExecutionProvider"])
+        self.names = [n for n, _ in feeds]
+        self.out = "y"
+        self.io = self.sess.io_binding()
+        self.bound = ()
+
+
+def _conv_nchwc(x, w, b, res, strides, pads, dil, groups, act, flags, out):
+    from onnx import helper
+
+    def make():
+        node = helper.make_node("Conv", ["x", "w", "b"], ["y"], strides=strides, pads=pads,
+                                dilations=dil, group=groups)
+        bias = b if b is not None else np.zeros(w.shape[0], np.float32)
+        plan = _nchwc_plan(node, x.shape, out.shape, {"w": w, "b": bias})
+        if plan is None:
+            raise KernelError("conv2d: onnxruntime has no NCHWc kernel for this convolution; "
+                              "compile with blocked=False")
+        main, inits, reorder_in = plan
+        return _NchwcOp(main, inits, reorder_in, x.shape, out.shape, w.shape[0],
+                        bool(flags & IN_BLOCKED), bool(flags & OUT_BLOCKED),
+                        res.shape if res is not None else None, bool(flags & RES_BLOCKED), act)
+
+    op = _cached(w, ("nchwc-conv", tuple(strides), tuple(pads), tuple(dil), groups, act, flags,
+                     res is not None, x.shape, b.ctypes.data if b is not None else 0), make)
+    op([x] if res is None else [x, res], out)
+
+
+@_kernel("conv2d", "data weight bias", "strides padding dilation groups layout act", "out",
+         "torch oneDNN (prepacked weights) | numpy im2col")
+def conv2d(data, weight, bias, strides, padding, dilation, groups, layout, act, out):
+    """2-D convolution, out = act(conv(data, weight) + bias).
+
+    data NCHW (layout=0) or NHWC (layout=1); weight OIHW (always, I = C/groups);
+    bias (O,); strides (sh, sw); padding (top, left, bottom, right);
+    dilation (dh, dw); groups int; act 0 = none, 1 = ReLU; out in data's layout.
+    """
+    _conv2d_impl(data, weight, bias, None, strides, padding, dilation, groups, layout, act, out)
+
+
+@_kernel("conv2d_add", "data weight bias residual", "strides padding dilation groups layout act",
+         "out", "torch oneDNN (sum post-op, in place) | numpy im2col")
+def conv2d_add(data, weight, bias, residual, strides, padding, dilation, groups, layout, act, out):
+    """Convolution with a fused residual: out = act(conv(data, weight) + bias + residual).
+
+    Same attributes as conv2d; residual has out's shape and layout.
+    """
+    _conv2d_impl(data, weight, bias, residual, strides, padding, dilation, groups, layout, act, out)
+
+
+# ---------------------------------------------------------------- pooling
+
+def _pool_out(size, k, s, p0, p1, d, ceil):
+    eff = d * (k - 1) + 1
+    if ceil:
+        o = -(-(size + p0 + p1 - eff) // s) + 1
+        if (o - 1) * s >= size + p0:  # last window must start inside input or left pad
+            o -= 1
+        return o
+    return (size + p0 + p1 - eff) // s + 1
+
+
+def _pool_numpy(x, kind, pool, strides, pads, dil, ceil, count_include_pad):
+    """NCHW pooling in numpy; returns (N,C,Ho,Wo)."""
+    n, c, h, w = x.shape
+    pt, pl, pb, pr = pads
+    ho = _pool_out(h, pool[0], strides[0], pt, pb, dil[0], ceil)
+    wo = _pool_out(w, pool[1], strides[1], pl, pr, dil[1], ceil)
+    ekh, ekw = dil[0] * (pool[0] - 1) + 1, dil[1] * (pool[1] - 1) + 1
+    eb = max(0, (ho - 1) * strides[0] + ekh - (h + pt + pb))
+    er = max(0, (wo - 1) * strides[1] + ekw - (w + pl + pr))
+    fill = -np.inf if kind == "max" else 0.0
+    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb + eb), (pl, pr + er)), constant_values=fill)
+
+    def windows(a):
+        v = np.lib.stride_tricks.sliding_window_view(a, (ekh, ekw), axis=(2, 3))
+        return v[:, :, ::strides[0], ::strides[1], ::dil[0], ::dil[1]][:, :, :ho, :wo]
+
+    if kind == "max":
+        return windows(xp).max(axis=(4, 5))
+    total = windows(xp).sum(axis=(4, 5))
+    ones = np.zeros((1, 1) + xp.shape[2:], dtype=x.dtype)
+    if count_include_pad:
+        ones[..., :h + pt + pb, :w + pl + pr] = 1
+    else:
+        ones[..., pt:pt + h, pl:pl + w] = 1
+    return total / windows(ones).sum(axis=(4, 5))
+
+
+def _pool_impl(kind, x_t, pool, strides, padding, dilation, ceil_mode, count_include_pad,
+               layout, out_t):
+    x, out = _np(x_t), _np(out_t)
+    pool, strides, pads, dil = _ints(pool), _ints(strides), _ints(padding), _ints(dilation)
+    if len(pads) == 2:
+        pads = pads + pads
+    layout, ceil, cip = int(layout), bool(ceil_mode), bool(count_include_pad)
+    flags, layout = layout & ~3, layout & 3
+    be = backend()
+    if be == "onnxruntime" and flags and kind == "max" and layout == LAYOUT_NCHW:
+        _pool_nchwc(x, pool, strides, pads, dil, ceil, flags, out)
+        return
+    if be == "onnxruntime" and (kind == "max" or dil == [1, 1]):
+        _pool_ort(kind, x, pool, strides, pads, dil, ceil, cip, layout, out)
+        return
+    torch = _get_torch() if be == "torch" else None
+    pt, pl, pb, pr = pads
+    symmetric = pt == pb and pl == pr and 2 * pt <= pool[0] and 2 * pl <= pool[1]
+    if torch is not None and symmetric and (kind == "max" or dil == [1, 1]):
+        tx, to = torch.from_numpy(x), torch.from_numpy(out)
+        if layout == LAYOUT_NHWC:
+            tx, to = tx.permute(0, 3, 1, 2), to.permute(0, 3, 1, 2)
+        if kind == "max":
+            y = torch.nn.functional.max_pool2d(tx, pool, strides, [pt, pl], dil, ceil_mode=ceil)
+        else:
+            y = torch.nn.functional.avg_pool2d(tx, pool, strides, [pt, pl], ceil_mode=ceil,
+                                               count_include_pad=cip)
+        to.copy_(y)
+        return
+    xn = x if layout == LAYOUT_NCHW else x.transpose(0, 3, 1, 2)
+    y = _pool_numpy(xn, kind, pool, strides, pads, dil, ceil, cip)
+    out[...] = y if layout == LAYOUT_NCHW else y.transpose(0, 2, 3, 1)
+
+
+_pool_ops: dict[tuple, _OrtOp] = {}
+
+
+def _pool_ort(kind, x, pool, strides, pads, dil, ceil, cip, layout, out):
+    from onnx import helper
+
+    nhwc = layout == LAYOUT_NHWC
+    xn = np.ascontiguousarray(x.transpose(0, 3, 1, 2)) if nhwc else np.ascontiguousarray(x)
+    on = np.empty(out.transpose(0, 3, 1, 2).shape, np.float32) if nhwc else out
+    key = (kind, tuple(pool), tuple(strides), tuple(pads), tuple(dil), ceil, cip, xn.shape)
+    op = _pool_ops.get(key)
+    if op is None:
+        attrs = dict(kernel_shape=pool, strides=strides, pads=pads, ceil_mode=int(ceil))
+        if kind == "max":
+            node = helper.make_node("MaxPool", ["x"], ["y"], dilations=dil, **attrs)
+        else:
+            node = helper.make_node("AveragePool", ["x"], ["y"], count_include_pad=int(cip),
+                                    **attrs)
+        op = _pool_ops[key] = _OrtOp([node], [("x", xn.shape)], ("y", on.shape), {})
+    op([xn], on)
+    if nhwc:
+        out[...] = on.transpose(0, 2, 3, 1)
+
+
+def _pool_nchwc(x, pool, strides, pads, dil, ceil, flags, out):
+    from onnx import helper
+
+    key = ("nchwc-max", tuple(pool), tuple(strides), tuple(pads), tuple(dil), ceil, flags,
+           x.shape)
+    op = _pool_ops.get(key)
+    if op is None:
+        node = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=pool, strides=strides,
+                                pads=pads, dilations=dil, ceil_mode=int(ceil))
+        plan = _nchwc_plan(node, x.shape, out.shape, {})
+        if plan is None:
+            raise KernelError("max_pool2d: onnxruntime has no NCHWc kernel for this pooling")
+        main, inits, reorder_in = plan
+        op = _pool_ops[key] = _NchwcOp(main, inits, reorder_in, x.shape, out.shape, x.shape[1],
+                                       bool(flags & IN_BLOCKED), bool(flags & OUT_BLOCKED))
+    op([np.ascontiguousarray(x)], out)
+
+
+@_kernel("max_pool2d", "data", "pool strides padding dilation ceil_mode layout", "out",
+         "torch (channels_last) | numpy")
+def max_pool2d(data, pool, strides, padding, dilation, ceil_mode, layout, out):
+    """Max pooling. pool (kh, kw); padding (top, left, bottom, right); layout 0 NCHW / 1 NHWC."""
+    _pool_impl("max", data, pool, strides, padding, dilation, ceil_mode, False, layout, out)
+
+
+@_kernel("avg_pool2d", "data", "pool strides padding dilation ceil_mode count_include_pad layout",
+         "out", "torch (channels_last) | numpy")
+def avg_pool2d(data, pool, strides, padding, dilation, ceil_mode, count_include_pad, layout, out):
+    """Average pooling; count_include_pad 0/1 as in ONNX AveragePool."""
+    _pool_impl("avg", data, pool, strides, padding, dilation, ceil_mode, count_include_pad,
+               layout, out)
+
+
+@_kernel("global_avg_pool2d", "data", "layout", "out", "numpy")
+def global_avg_pool2d(data, layout, out):
+    """Mean over the spatial axes; out (N,C,1,1) for NCHW or (N,1,1,C) for NHWC (any shape with
+    the same element count is accepted, e.g. the flattened (N,C))."""
+    x, o = _np(data), _np(out)
+    layout = int(layout)
+    if layout & IN_BLOCKED and backend() == "onnxruntime":
+        from onnx import helper
+
+        key = ("nchwc-gap", x.shape)
+        op = _pool_ops.get(key)
+        if op is None:
+            shape = (x.shape[0], x.shape[1], 1, 1)
+            plan = _nchwc_plan(helper.make_node("GlobalAveragePool", ["x"], ["y"]), x.shape,
+                               shape, {})
+            if plan is None:
+                raise KernelError("global_avg_pool2d: no NCHWc kernel in onnxruntime")
+            op = _pool_ops[key] = _NchwcOp(*plan, x.shape, shape, x.shape[1], True, False)
+        op([x], o.reshape(x.shape[0], x.shape[1], 1, 1))
+        return
+    axes = (2, 3) if layout & 3 == LAYOUT_NCHW else (1, 2)
+    o.reshape(-1)[...] = x.mean(axis=axes, dtype=np.float32).reshape(-1)
+
+
+# ---------------------------------------------------------------- matmul class
+
+def _act_inplace(y: np.ndarray, act: int) -> None:
+    if act == ACT_RELU:
+        np.maximum(y, 0, out=y)
+
+
+@_kernel("dense", "data weight bias", "trans_b act", "out", "onnxruntime Gemm | numpy/OpenBLAS")
+def dense(data, weight, bias, trans_b, act, out):
+    """Fully connected: out = act(data @ W + bias).
+
+    data (..., K); weight (N, K) when trans_b=1 (pre-transposed, as stored by
+    Linear/Gemm transB=1) or (K, N) when trans_b=0; bias (N,) (pass zeros
+    for none); out (..., N).
+    """
+    x, w, b, o = _np(data), _np(weight), _np(bias), _np(out)
+    tb, act = int(trans_b), int(act)
+    wm = w.T if tb else w
+    if x.shape[-1] != wm.shape[0]:
+        raise KernelError(f"dense: data {x.shape} does not match weight {w.shape} "
+                          f"(trans_b={tb})")
+    k, n = wm.shape
+    rows = x.size // k
+    # Tiny GEMMs: one numpy call beats ORT's dispatch. From 256k MACs ORT's
+    # pool wins over single-threaded BLAS (1000x512: 26 vs 56 us; 576x1536:
+    # 47 vs 154 us; lm head 49152x576: 4.5 vs 8.9 ms, idle machine).
+    if (rows * k * n >= 1 << 18 and backend() == "onnxruntime"
+            and x.flags.c_contiguous and o.flags.c_contiguous):
+        # ORT prepacks the constant weight once; OpenBLAS' own threads stall
+        # when another process holds a core (1.9 ms vs 25 us here).
+        x2, o2 = x.reshape(-1, k), o.reshape(-1, n)
+        op = _cached(w, ("ort-dense", tb, act, x2.shape[0], b.ctypes.data),
+                     lambda: _dense_op(w, b, tb, act, x2.shape))
+        op([x2], o2)
+        return
+    np.matmul(x, wm, out=o)
+    o += b
+    _act_inplace(o, act)
+
+
+def _dense_op(w, b, trans_b, act, x_shape):
+    from onnx import helper
+
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["g"], transB=trans_b)]
+    last = "g"
+    if act == ACT_RELU:
+        nodes.append(helper.make_node("Relu", ["g"], ["y"]))
+        last = "y"
+    n = w.shape[0] if trans_b else w.shape[1]
+    return _OrtOp(nodes, [("x", x_shape)], (last, (x_shape[0], n)), {"w": w, "b": b})
+
+
+@_kernel("matmul", "a b", "trans_b", "out", "numpy/OpenBLAS")
+def matmul(a, b, trans_b, out):
+    """(Batched, broadcasting) matmul as numpy.matmul: out = a @ (b or b^T on the last two axes).
+
+    Covers batch matmul (B,M,K)x(B,K,N) and GEMV (1,K)x(K,N).
+    """
+    x, y, o = _np(a), _np(b), _np(out)
+    if int(trans_b):
+        y = np.swapaxes(y, -1, -2)
+    np.matmul(x, y, out=o)
+
+
+# Quantized GEMV. Weights are stored row-major per output row (N, K):
+#   q8:   int8 (N, K), scales float32 (N, K // block): w = q * s
+#   q4:   uint8 (N, K // 2), element 2j in the low nibble, 2j+1 in the high
+#         nibble; scales (N, K // block): w = (q - 8) * s             (Q4_0-like)
+#   q4_1: as q4 plus mins (N, K // block):       w = q * s + m       (Q4_1-like)
+# This is onnxruntime MatMulNBits' layout, so those bytes go in unchanged.
+
+def _unpack4(q: np.ndarray) -> np.ndarray:
+    n, half = q.shape
+    out = np.empty((n, half * 2), dtype=np.uint8)
+    out[:, 0::2] = q & 0x0F
+    out[:, 1::2] = q >> 4
+    return out
+
+
+def _dequant(kind: str, q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
+             block: int) -> np.ndarray:
+    if kind == "q8":
+        n, k = q.shape
+        vals = q.astype(np.float32)
+    else:
+        vals = _unpack4(q).astype(np.float32)
+        n, k = vals.shape
+        if kind == "q4":
+            vals -= 8.0
+    vals = vals.reshape(n, k // block, block) * scales.reshape(n, k // block, 1)
+    if mins is not None:
+        vals += mins.reshape(n, k // block, 1)
+    return np.ascontiguousarray(vals.reshape(n, k).T)  # (K, N) for x @ W
+
+
+_ort_ready = False
+# MatMulNBits accuracy_level=4 quantizes the activation to int8 per block (as
+# llama.cpp does for its dot products): ~0.5 % of the output's magnitude, 3-10x
+# faster than exact. configure_gemv(exact=True) dequantizes once to float32
+# instead (exact, 4-8x the weight memory).
+_gemv_exact = False
+
+
+def configure_gemv(exact: bool) -> None:
+    """Choose exact (float32 dequantized once) or fast (int8 activations) quantized GEMV."""
+    global _gemv_exact
+    _gemv_exact = bool(exact)
+    clear_caches()
+
+
+def ort_session_options():
+    """SessionOptions on the process-wide onnxruntime pool (sized by configure_threads).
+
+    A pool per session cost 20x with dozens of sessions, so the kernels share
+    one global pool. Once it exists, every InferenceSession in the process must
+    opt out of per-session threads: build their options here.
+    """
+    global _ort_ready
+    import onnxruntime as ort
+
+    if not _ort_ready:
+        try:
+            ort.capi._pybind_state.set_global_thread_pool_sizes(_threads, 1)
+        except Exception:  # noqa: BLE001 - already created in this process
+            pass
+        _ort_ready = True
+    so = ort.SessionOptions()
+    so.use_per_session_threads = False
+    so.log_severity_level = 3
+    return so
+
+
+def _ort_session(kind: str, q, scales, block: int, n: int, k: int):
+    """A single-op MatMulNBits session holding this weight, or None if it cannot."""
+    global _ort_ready
+    try:
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError:
+        return None
+    bits = 8 if kind == "q8" else 4
+    # q4_1's float zero points take a slow exact path in ORT (2.6 ms vs 45 us)
+    if _gemv_exact or kind == "q4_1" or block < 16 or block & (block - 1) or k % block:
+        return None
+    nb = k // block
+    if kind == "q8":
+        b = (q.astype(np.int16) + 128).astype(np.uint8).reshape(n, nb, block)
+    else:
+        b = q.reshape(n, nb, block // 2)
+    inits = [numpy_helper.from_array(np.ascontiguousarray(b), "B"),
+             numpy_helper.from_array(np.ascontiguousarray(scales, dtype=np.float32)
+                                     .reshape(-1), "S")]
+    ins = ["A", "B", "S"]
+    node = helper.make_node("MatMulNBits", ins, ["Y"], domain="com.microsoft", K=k, N=n,
+                            bits=bits, block_size=block, accuracy_level=4)
+    g = helper.make_graph([node], "gemv",
+                          [helper.make_tensor_value_info("A", TensorProto.FLOAT, [None, k])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, n])],
+                          inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
+                                            helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 8
+    so = ort_session_options()
+    try:
+        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # older ORT without float zero points, etc.
+        log.debug("MatMulNBits unavailable (%s); numpy fallback", e)
+        return None
+    return sess
+
+
+class _QGemv:
+    def __init__(self, kind, q, scales, mins, block, n, k):
+        self.sess = _ort_session(kind, q, scales, block, n, k) if mins is None else None
+        self.w = None if self.sess is not None else _dequant(kind, q, scales, mins, block)
+
+    def __call__(self, x2: np.ndarray, o2: np.ndarray) -> None:
+        if self.sess is not None:
+            o2[...] = self.sess.run(None, {"A": x2})[0]
+        else:
+            np.matmul(x2, self.w, out=o2)
+
+
+def _qgemv(kind, data, qweight, scales, mins, block, out):
+    x, q, s, o = _np(data), _np(qweight), _np(scales), _np(out)
+    m = _np(mins) if mins is not None else None
+    block = int(block)
+    n = q.shape[0]
+    k = q.shape[1] * (1 if kind == "q8" else 2)
+    if block <= 0 or k % block or s.size != n * (k // block) or x.shape[-1] != k:
+        raise KernelError(f"gemv_{kind}: data {x.shape}, weight {q.shape}, scales {s.shape}, "
+                          f"block {block} are inconsistent")
+    if o.shape[-1] != n:
+        raise KernelError(f"gemv_{kind}: out {o.shape} must end in N={n}")
+    op = _cached(q, (kind, block, s.ctypes.data),
+                 lambda: _QGemv(kind, q, s, m, block, n, k))
+    x2 = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
+    op(x2, o.reshape(-1, n))
+
+
+@_kernel("gemv_q8", "data qweight scales", "block", "out", "onnxruntime MatMulNBits | numpy")
+def gemv_q8(data, qweight, scales, block, out):
+    """out = data @ dequant(W)^T with int8 W (N, K), scales (N, K/block) (block=K: per row)."""
+    _qgemv("q8", data, qweight, scales, None, block, out)
+
+
+@_kernel("gemv_q4", "data qweight scales", "block", "out", "onnxruntime MatMulNBits | numpy")
+def gemv_q4(data, qweight, scales, block, out):
+    """4-bit blocks, w = (q - 8) * scale; qweight uint8 (N, K/2) low nibble first."""
+    _qgemv("q4", data, qweight, scales, None, block, out)
+
+
+@_kernel("gemv_q4_1", "data qweight scales mins", "block", "out",
+         "onnxruntime MatMulNBits | numpy")
+def gemv_q4_1(data, qweight, scales, mins, block, out):
+    """4-bit blocks with a minimum, w = q * scale + min (Q4_1-like)."""
+    _qgemv("q4_1", data, qweight, scales, mins, block, out)
+
+
+# ---------------------------------------------------------------- normalisation, activations
+
+@_kernel("softmax", "data", "axis", "out", "numpy")
+def softmax(data, axis, out):
+    """Softmax along axis (negative counts from the end); exact exp, no fast math."""
+    x, o = _np(data), _np(out)
+    ax = int(axis)
+    np.subtract(x, x.max(axis=ax, keepdims=True), out=o)
+    np.exp(o, out=o)
+    o /= o.sum(axis=ax, keepdims=True)
+
+
+@_kernel("rmsnorm", "data weight", "eps", "out", "numpy")
+def rmsnorm(data, weight, eps, out):
+    """out = data / sqrt(mean(data^2, last axis) + eps) * weight."""
+    x, w, o = _np(data), _np(weight), _np(out)
+    ms = np.einsum("...i,...i->...", x, x)[..., None] / np.float32(x.shape[-1])
+    np.multiply(x, 1.0 / np.sqrt(ms + np.float32(eps)), out=o)
+    o *= w
+
+
+@_kernel("layernorm", "data gamma beta", "eps", "out", "numpy")
+def layernorm(data, gamma, beta, eps, out):
+    """out = (data - mean) / sqrt(var + eps) * gamma + beta over the last axis."""
+    x, g, b, o = _np(data), _np(gamma), _np(beta), _np(out)
+    mu = x.mean(axis=-1, keepdims=True)
+    np.subtract(x, mu, out=o)
+    var = np.einsum("...i,...i->...", o, o)[..., None] / np.float32(x.shape[-1])
+    o *= 1.0 / np.sqrt(var + np.float32(eps))
+    o *= g
+    o += b
+
+
+@_kernel("silu_mul", "gate up", "", "out", "numpy")
+def silu_mul(gate, up, out):
+    """out = silu(gate) * up = gate * sigmoid(gate) * up (the SwiGLU MLP middle)."""
+    g, u, o = _np(gate), _np(up), _np(out)
+    np.negative(g, out=o)
+    np.exp(o, out=o)
+    o += 1.0
+    np.divide(g, o, out=o)
+    o *= u
+
+
+_rope_tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _rope_table(theta: float, dim: int, npos: int):
+    key = (theta, dim)
+    t = _rope_tables.get(key)
+    if t is None or t[0].shape[0] < npos:
+        size = max(npos, 2048)
+        inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        ang = np.arange(size, dtype=np.float64)[:, None] * inv[None, :]
+        t = (np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32))
+        _rope_tables[key] = t
+    return t
+
+
+@_kernel("rope", "data positions", "theta mode", "out", "numpy")
+def rope(data, positions, theta, mode, out):
+    """Rotary position embedding on data (..., S, H, D) with positions int (S,).
+
+    mode 0 = rotate-half (HF Llama: pairs (i, i + D/2)), 1 = interleaved
+    pairs (2i, 2i+1). Angles pos * theta^(-2i/D), tables cached per (theta, D).
+    """
+    x, p, o = _np(data), _np(positions).astype(np.int64).reshape(-1), _np(out)
+    d = x.shape[-1]
+    if x.shape[-3] != p.shape[0] or d % 2:
+        raise KernelError(f"rope: data {x.shape} needs (..., S={p.shape[0]}, H, even D)")
+    cos_t, sin_t = _rope_table(float(theta), d, int(p.max()) + 1 if p.size else 1)
+    cos = cos_t[p][:, None, :]  # (S, 1, D/2)
+    sin = sin_t[p][:, None, :]
+    if int(mode) == ROPE_HALF:
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        o1, o2 = o[..., : d // 2], o[..., d // 2:]
+    else:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        o1, o2 = o[..., 0::2], o[..., 1::2]
+    r1 = x1 * cos - x2 * sin
+    o2[...] = x2 * cos + x1 * sin
+    o1[...] = r1
+
+
+@_kernel("attention_decode", "q k_cache v_cache", "length scale", "out", "numpy/OpenBLAS")
+def attention_decode(q, k_cache, v_cache, length, scale, out):
+    """One decode step of grouped-query attention over a KV cache.
+
+    q (B, Hq, D); k_cache, v_cache (B, Hkv, T, D) with the first ``length``
+    positions valid (length = pos + 1 after writing the new token); Hq a
+    multiple of Hkv; out (B, Hq, D) = softmax(q k^T * scale) v.
+    """
+    qa, k, v, o = _np(q), _np(k_cache), _np(v_cache), _np(out)
+    n = int(length)
+    bsz, hq, d = qa.shape
+    hkv, t = k.shape[1], k.shape[2]
+    if hq % hkv or n < 1 or n > t:
+        raise KernelError(f"attention_decode: Hq={hq} Hkv={hkv} length={n} T={t}")
+    qg = qa.reshape(bsz, hkv, hq // hkv, d)
+    s = np.matmul(qg, np.swapaxes(k[:, :, :n], -1, -2))  # (B, Hkv, G, n)
+    s *= np.float32(scale)
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    np.matmul(s, v[:, :, :n], out=o.reshape(bsz, hkv, hq // hkv, d))
+
+
+# ---------------------------------------------------------------- registry
+
+def names() -> set[str]:
+    """Every kernel name the firmware exports (the loader's import check)."""
+    return set(KERNELS)
+
+
+def register_all(override: bool = True) -> None:
+    """Register every kernel as a TVM FFI global function in this process."""
+    import tvm_ffi
+
+    for spec in KERNELS.values():
+        tvm_ffi.register_global_func(spec.name, spec.fn, override=override)
+
+
+def warmup() -> None:
+    """Pay first-call costs (backend imports, thread pools) at load time, not at the
+    first INFER. Per-weight sessions/prepacks are still built on a module's first
+    call: run it once at load (the loader's warm-up inference) to move those too."""
+    be = backend()
+    if be == "onnxruntime":
+        ort_session_options()
+    elif be == "torch":
+        _get_torch()

@@ -1,0 +1,142 @@
+"""The host client: embedded default device, explicit sockets, version
+check, timeouts and a device that dies."""
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import dspx
+from dspx.errors import DeviceLost, DeviceTimeout, DspxError, VersionMismatch
+
+
+def test_embedded_default_starts_and_stops_a_private_device(monkeypatch, tmp_path):
+    monkeypatch.delenv("DSPX_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # no device listens at the default path
+    with dspx.Client(staging_size=1 << 20) as c:
+        assert c.device is not None
+        proc = c.device.proc
+        assert c.ping()["version"] == "3.0.0"
+        assert c.socket_path != os.path.join(str(tmp_path), f"dspx-{os.getuid()}", "dsp0.sock")
+    assert proc.wait(10) == 0  # stopped when done
+
+
+def test_default_socket_is_used_when_a_device_listens(monkeypatch, tmp_path):
+    from dspx.transport import default_socket_path, is_listening
+    monkeypatch.delenv("DSPX_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    path = default_socket_path()
+    assert path == os.path.join(str(tmp_path), f"dspx-{os.getuid()}", "dsp0.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "dspx.device", "--quiet", "--carveout-size", "64M"])
+    try:
+        deadline = time.monotonic() + 30
+        while not is_listening(path):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.01)
+        assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+        with dspx.Client(staging_size=0) as c:
+            assert c.device is None and c.socket_path == path
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert not os.path.exists(path)
+
+
+def test_explicit_socket_without_device_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSPX_SOCKET", str(tmp_path / "none.sock"))
+    with pytest.raises(DspxError, match="no device is listening"):
+        dspx.Client()
+
+
+def fake_device(tmp_path, answer):
+    """A one-connection SEQPACKET server that answers each request with answer(req)."""
+    path = str(tmp_path / "fake.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(1)
+
+    def run():
+        while True:  # the launcher's liveness probe is a connection too
+            conn, _ = srv.accept()
+            while True:
+                try:
+                    req = conn.recv(512)
+                except OSError:
+                    break
+                if not req:
+                    break
+                out = answer(req)
+                if out is None:
+                    continue
+                if out == "die":
+                    conn.close()
+                    break
+                conn.send(out)
+
+    threading.Thread(target=run, daemon=True).start()
+    return path
+
+
+def test_major_version_mismatch_names_both(tmp_path):
+    def answer(req):
+        _, seq, _, _ = struct.unpack_from("<IIIi", req)
+        return struct.pack("<IIIiII", 0x1001, seq, 24, 0, 0x040102, 1)
+    path = fake_device(tmp_path, answer)
+    with pytest.raises(VersionMismatch, match=r"host speaks 3\.0\.0, device speaks 4\.1\.2"):
+        dspx.Client(path)
+
+
+def test_minor_version_difference_is_accepted(tmp_path):
+    def answer(req):
+        t, seq, _, _ = struct.unpack_from("<IIIi", req)
+        return struct.pack("<IIIiII", 0x1001, seq, 24, 0, 0x030105, 1)
+    with dspx.Client(fake_device(tmp_path, answer), staging_size=0, printf_size=0) as c:
+        assert c.device_version == 0x030105
+
+
+def test_silent_device_times_out(tmp_path):
+    path = fake_device(tmp_path, lambda req: None)
+    t0 = time.monotonic()
+    with pytest.raises(DeviceTimeout, match="PING"):
+        dspx.Client(path, timeout=0.5)
+    assert time.monotonic() - t0 < 5
+
+
+def test_device_that_dies_mid_call_raises_device_lost(tmp_path):
+    path = fake_device(tmp_path, lambda req: "die")
+    with pytest.raises(DeviceLost):
+        dspx.Client(path, timeout=5)
+
+
+def test_killed_device_gives_device_lost_not_a_hang(device, client_of):
+    c = client_of(device.path)
+    device.proc.kill()
+    device.proc.wait()
+    t0 = time.monotonic()
+    with pytest.raises(DeviceLost):
+        c.ping()
+    assert time.monotonic() - t0 < 5
+
+
+def test_printf_ring_read(device, client_of):
+    """Text written into the ring (as the device does) is read back once."""
+    from dspx import memory
+    c = client_of(device.path)
+    mm = c.printf_buf.mm
+    text = b"hello from the DSP\n"
+    mm[16:16 + len(text)] = text
+    struct.pack_into("<IIII", mm, 0, memory.PRINTF_MAGIC, len(text), c.printf_buf.size, 0)
+    assert c.read_printf() == text.decode()
+    assert c.read_printf() == ""
+
+
+def test_status_counts_and_pools(device, client_of):
+    c = client_of(device.path)
+    st = c.status()
+    assert st["version"] == "3.0.0" and st["jobs_completed"] == 0 and st["jobs_failed"] == 0
+    p = c.pools()
+    assert p["ddr_total"] == 64 << 20 and p["ddr_used"] == 0 and p["cores"] == 1
