@@ -1,0 +1,184 @@
+"""UCP-style custom-operator tasks: malloc / rpc / submit / wait / release.
+
+The Horizon UCP flow (seed ``ucp-dsp-custom-operator``), one call each:
+
+    with Tasks() as ucp:                       # hbUCP… on a (private) device
+        data = ucp.malloc(4 * n)               # hbUCPMalloc + hbDSPAddrMap
+        param = ucp.malloc(13)
+        out = ucp.malloc(4 * n)
+        task = ucp.rpc(0x1402, param, out)     # hbDSPRpcV2
+        ucp.submit(task, core=ANY, priority=0) # hbUCPSubmitTask
+        ucp.wait(task, timeout_ms=5000)        # hbUCPWaitTaskDone
+        ucp.release(task)                      # hbUCPReleaseTask
+
+Several tasks may be in flight at once; responses are matched by seq.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import memory, protocol as P
+from ..errors import DspxError
+from .client import Client
+
+ANY = P.CORE_ANY
+SOFTMAX_CMD = 0x1402
+# The seed's hbDSPSoftmaxParam, packed: int32 data_size (bytes); uint64 input; uint8 run_tcm_opt
+SOFTMAX_PARAM = struct.Struct("<iQB")
+
+
+@dataclass
+class Mem:
+    """Memory visible to the DSP: ``vir`` is the host view, ``phy`` the DSP address."""
+
+    buf: memory.DmaBuf
+    size: int
+
+    @property
+    def phy(self) -> int:
+        return self.buf.dsp_addr
+
+    @property
+    def vir(self) -> np.ndarray:
+        return self.buf.array(0, (self.size,), np.uint8)
+
+    def view(self, dtype, count: int | None = None) -> np.ndarray:
+        dt = np.dtype(dtype)
+        n = self.size // dt.itemsize if count is None else count
+        return self.buf.array(0, (n,), dt)
+
+
+@dataclass
+class Task:
+    cmd: int
+    input: Mem
+    output: Mem
+    seq: int | None = None
+    state: str = "created"  # created → submitted → done | failed → released
+    return_value: int = 0
+    cycles: int = 0
+    core: int = -1
+    queued_us: int = 0
+    printf: str = ""
+    error: Exception | None = field(default=None, repr=False)
+
+
+class Tasks:
+    """A task session on a device (a private simulated one when none runs)."""
+
+    def __init__(self, client: Client | None = None, *, socket: str | None = None, cores: int = 1, **opts):
+        self._own = client is None
+        opts.setdefault("staging_size", 0)  # tasks need no staging
+        self.client = client or Client(socket, cores=cores, **opts)
+        self._mems: list[Mem] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        if self._own and self.client is not None:
+            self.client.close()
+        self.client = None
+
+    # ------------------------------------------------------------------ memory
+    def malloc(self, nbytes: int) -> Mem:
+        mem = Mem(self.client.alloc(nbytes, "dspx-ucp"), nbytes)
+        self._mems.append(mem)
+        return mem
+
+    def free(self, mem: Mem) -> None:
+        self.client.detach(mem.buf)
+        self._mems.remove(mem)
+
+    # ------------------------------------------------------------------ tasks
+    def rpc(self, cmd: int, input_mem: Mem, output_mem: Mem) -> Task:
+        return Task(cmd, input_mem, output_mem)
+
+    def submit(self, task: Task, core: int = ANY, priority: int = 0, timeout_ms: int = 0) -> Task:
+        if task.state != "created":
+            raise DspxError(f"task is {task.state}; create a new one with rpc()")
+        if not 0 <= priority <= 255:
+            raise ValueError(f"priority {priority} outside 0..255")
+        for m in (task.input, task.output):  # the device reads what the host wrote
+            m.buf.begin_cpu_access(memory.SYNC_WRITE)
+            m.buf.end_cpu_access(memory.SYNC_WRITE)
+        task.seq = self.client.send(P.Rpc(cmd=task.cmd, core=core, priority=priority, timeout_ms=timeout_ms,
+                                          input_dsp_addr=task.input.phy, input_size=task.input.size,
+                                          output_dsp_addr=task.output.phy, output_size=task.output.size))
+        task.state = "submitted"
+        return task
+
+    def wait(self, task: Task, timeout_ms: int = 30_000) -> Task:
+        """Block until the task is done (raises its typed error if it failed)."""
+        if task.state in ("done", "failed"):
+            if task.error:
+                raise task.error
+            return task
+        if task.state != "submitted":
+            raise DspxError(f"task is {task.state}; submit it first")
+        resp = self.client.wait(task.seq, timeout_ms / 1000, f"RPC 0x{task.cmd:x}")
+        task.printf = self.client.show_printf(resp.printf_size)
+        task.return_value, task.cycles, task.core, task.queued_us = (resp.return_value, resp.cycles, resp.core,
+                                                                     resp.queued_us)
+        task.output.buf.begin_cpu_access(memory.SYNC_READ)
+        task.output.buf.end_cpu_access(memory.SYNC_READ)
+        try:
+            self.client.check(resp, f"RPC 0x{task.cmd:x}")
+        except DspxError as e:
+            task.state, task.error = "failed", e
+            raise
+        task.state = "done"
+        return task
+
+    def release(self, task: Task) -> None:
+        if task.state == "submitted":
+            raise DspxError("task is still in flight: wait for it before releasing")
+        task.state = "released"
+
+    def run(self, cmd: int, input_mem: Mem, output_mem: Mem, core: int = ANY, priority: int = 0,
+            timeout_ms: int = 30_000) -> Task:
+        """rpc + submit + wait + release."""
+        t = self.submit(self.rpc(cmd, input_mem, output_mem), core, priority)
+        self.wait(t, timeout_ms)
+        self.release(t)
+        return t
+
+    # ------------------------------------------------------------------ op libraries
+    def load_ops(self, source: str | bytes | Path) -> tuple[int, int]:
+        """Send an op library to the device: (library handle, number of ops)."""
+        if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith(".py")):
+            source = Path(source).read_text()
+        data = source.encode() if isinstance(source, str) else bytes(source)
+        buf = self.client.alloc(len(data), "dspx-oplib")
+        try:
+            buf.mm[:len(data)] = data
+            buf.begin_cpu_access(memory.SYNC_WRITE)
+            buf.end_cpu_access(memory.SYNC_WRITE)
+            r = self.client.request(P.OpsLoad(src_dsp_addr=buf.dsp_addr, src_size=len(data)))
+        finally:
+            self.client.detach(buf)
+        return r.lib_handle, r.num_ops
+
+    def unload_ops(self, handle: int) -> None:
+        self.client.request(P.DynUnload(module_handle=handle))
+
+    def ops(self) -> list[dict]:
+        out, start = [], 0
+        while True:
+            r = self.client.request(P.OpsList(start=start))
+            out += [{"cmd": c, "name": n, "latency_us": lat, "library": lib} for c, lat, lib, _, n in r.entries()]
+            start += r.count
+            if r.count == 0 or start >= r.total:
+                return out
+
+
+def softmax_param(mem: Mem, data: Mem, n: int, tiled: bool) -> None:
+    """Fill the seed's packed hbDSPSoftmaxParam into ``mem``."""
+    SOFTMAX_PARAM.pack_into(mem.buf.mm, 0, 4 * n, data.phy, 1 if tiled else 0)
