@@ -503,13 +503,17 @@ class SetPrintfBufResp(Message):
 
 # Extensions ----------------------------------------------------------------
 
-@_msg(MsgType.BUF_ATTACH, "QII", "size flags reserved")
+ATTACH_STAGING = 1  # BufAttach.flags bit 0: the connection's staging buffer, KV region at its end
+
+
+@_msg(MsgType.BUF_ATTACH, "QII", "size flags kv_size")
 @dataclass
 class BufAttach(Message):
-    """Attach the dmabuf whose fd travels with this datagram (SCM_RIGHTS)."""
+    """Attach the dmabuf whose fd travels with this datagram (SCM_RIGHTS).
+    With ATTACH_STAGING, its last ``kv_size`` bytes are the KV region."""
     size: int = 0
     flags: int = 0
-    reserved: int = 0
+    kv_size: int = 0
 
 
 @_msg(MsgType.BUF_ATTACH | RESPONSE_BIT, "QQ", "dsp_addr size")

@@ -27,7 +27,6 @@ from ..transport import Endpoint, PeerClosed, listen, peer_uid
 from . import jobs
 
 S = Status
-ATTACH_STAGING = 1  # BufAttach.flags bit 0: this buffer is the connection's staging (+ KV region)
 MAX_PENDING_PER_CONN = 256
 MAX_PENDING = 4096
 
@@ -548,14 +547,14 @@ class Service:
     def _h_buf_attach(self, conn, req, fds):
         if len(fds) != 1:
             raise Reject(S.ERR_INVALID, f"BUF_ATTACH needs exactly one fd, got {len(fds)}")
-        if req.flags & ~ATTACH_STAGING:
+        if req.flags & ~P.ATTACH_STAGING:
             raise Reject(S.ERR_INVALID, f"unknown attach flags 0x{req.flags:x}")
-        staging = bool(req.flags & ATTACH_STAGING)
+        staging = bool(req.flags & P.ATTACH_STAGING)
         if staging and conn.staging is not None:
             raise Reject(S.ERR_INVALID, "this connection already has a staging buffer")
-        kv = req.reserved if staging else 0
-        if req.reserved and not staging:
-            raise Reject(S.ERR_INVALID, "reserved must be zero unless attaching a staging buffer")
+        kv = req.kv_size if staging else 0
+        if req.kv_size and not staging:
+            raise Reject(S.ERR_INVALID, "kv_size must be zero unless attaching a staging buffer")
         if kv % 64 or kv > req.size:
             raise Reject(S.ERR_INVALID, f"KV region of {kv} bytes does not fit a {req.size}-byte staging buffer")
         fd = fds[0]

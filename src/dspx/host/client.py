@@ -25,7 +25,6 @@ from ..protocol import Status
 from ..transport import PeerClosed, Timeout, TransportError, connect
 from . import launcher
 
-ATTACH_STAGING = 1
 DEFAULT_TIMEOUT = 60.0
 
 
@@ -186,8 +185,8 @@ class Client:
 
     # ---------------------------------------------------------------- buffers
     def attach(self, buf: DmaBuf, staging: bool = False, kv_size: int = 0) -> DmaBuf:
-        r = self.request(P.BufAttach(size=buf.size, flags=ATTACH_STAGING if staging else 0,
-                                     reserved=kv_size), fds=[buf.fd])
+        r = self.request(P.BufAttach(size=buf.size, flags=P.ATTACH_STAGING if staging else 0,
+                                     kv_size=kv_size), fds=[buf.fd])
         buf.dsp_addr = r.dsp_addr
         self.bufs.append(buf)
         return buf
