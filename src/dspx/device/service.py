@@ -1,6 +1,6 @@
 """The device service front: receive → validate → dispatch → respond.
 
-One ``selectors`` loop owns the listening socket, every connection and the
+One epoll loop owns the listening socket, every connection and the
 channels to the cores.  It decodes and validates each message, keeps
 per-connection state (SPEC §9: a connection's buffers, printf ring, modules
 and models are its own) and the device-wide accounting (carveout window, DDR
@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
-import selectors
+import select
 import signal
 import socket
 import subprocess
@@ -176,7 +176,8 @@ class Service:
         threads = threads or max(1, (os.cpu_count() or 1) // max(1, cores))
         self.cores = [CoreProc(i, threads) for i in range(cores)]
         self.parent_pid = parent_pid
-        self.sel = selectors.DefaultSelector()
+        self.epoll = select.epoll()
+        self._watch: dict[int, tuple] = {}  # fd -> (callback, arg)
         self._handlers = {t.value: getattr(self, "_h_" + t.name.lower()) for t in P.MsgType}
         self.running = False
         self.log = log or (lambda *a: None)
@@ -188,26 +189,34 @@ class Service:
             signal.signal(sig, self._on_signal)
         self.lsock = listen(self.path)
         self.lsock.setblocking(False)
-        self.sel.register(self.lsock, selectors.EVENT_READ, ("listen", None))
+        self._register(self.lsock, self._accept, None)
         for c in self.cores:
             self._start_core(c)
         next_check = 0.0
         try:
             while self.running:
-                for key, _ in self.sel.select(timeout=0.1):
-                    kind, obj = key.data
-                    if kind == "conn":
-                        self._on_conn(obj)
-                    elif kind == "core":
-                        self._on_core(obj)
-                    else:
-                        self._accept()
+                for fd, _ in self.epoll.poll(0.1):
+                    w = self._watch.get(fd)
+                    if w is not None:
+                        w[0](w[1])
                 now = time.monotonic()
                 if now >= next_check:  # off the per-message path
                     self._housekeeping()
                     next_check = now + 0.05
         finally:
             self.shutdown()
+
+    def _register(self, sock, callback, arg) -> None:
+        self._watch[sock.fileno()] = (callback, arg)
+        self.epoll.register(sock.fileno(), select.EPOLLIN)
+
+    def _unregister(self, sock) -> None:
+        fd = sock.fileno()
+        if self._watch.pop(fd, None) is not None:
+            try:
+                self.epoll.unregister(fd)
+            except (OSError, ValueError):
+                pass
 
     def _on_signal(self, *_):
         self.running = False
@@ -242,7 +251,7 @@ class Service:
     # ================================================================ cores
     def _start_core(self, c: CoreProc) -> None:
         c.start()
-        self.sel.register(c.ep.sock, selectors.EVENT_READ, ("core", c))
+        self._register(c.ep.sock, self._on_core, c)
         # Block until the core says hello so the device never answers a job
         # before a core exists.
         msg, _ = jobs.recv(c.ep, timeout=60)
@@ -258,10 +267,7 @@ class Service:
     def _core_died(self, c: CoreProc) -> None:
         code = c.proc.poll() if c.proc else None
         self.log(f"core {c.index} died (exit {code}); restarting")
-        try:
-            self.sel.unregister(c.ep.sock)
-        except (KeyError, ValueError):
-            pass
+        self._unregister(c.ep.sock)
         c.ep.close()
         job = c.running
         c.running = None
@@ -368,7 +374,7 @@ class Service:
             self._release_conn(conn)
 
     # ================================================================ connections
-    def _accept(self) -> None:
+    def _accept(self, _=None) -> None:
         try:
             s, _ = self.lsock.accept()
         except (BlockingIOError, InterruptedError):
@@ -382,7 +388,7 @@ class Service:
         s.setblocking(False)
         conn = Conn(next(self._ids), Endpoint(s), uid)
         self.conns[conn.cid] = conn
-        self.sel.register(s, selectors.EVENT_READ, ("conn", conn))
+        self._register(s, self._on_conn, conn)
 
     def _on_conn(self, conn: Conn) -> None:
         try:
@@ -459,10 +465,7 @@ class Service:
         if conn.closed:
             return
         conn.closed = True
-        try:
-            self.sel.unregister(conn.ep.sock)
-        except (KeyError, ValueError):
-            pass
+        self._unregister(conn.ep.sock)
         conn.ep.close()
         # Queued jobs of a closed connection will never be answered: drop them.
         mine = [j for j in self.pending if j.conn is conn]
