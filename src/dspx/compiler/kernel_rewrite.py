@@ -6,13 +6,15 @@ recorded in the module's metadata and checked by the loader at DYN_LOAD).
 
 What it does, in order:
 
-1. fold constants and move convolution data to NHWC (weights stay OIHW):
-   oneDNN runs channels_last fastest and the layout change propagates through
-   adds, ReLUs and pooling, so only the graph's input/output get transposed;
+1. fold constants (the ONNX frontend emits the conv bias as reshape(const));
+   with layout="NHWC" also move convolution data to channels-last (weights
+   stay OIHW) for the torch/oneDNN backend;
 2. replace conv2d (+ bias add, + residual add, + ReLU), max/avg/global pooling,
-   matmul/dense (+ bias), softmax, layer_norm and rms_norm with
+   matmul/dense (+ bias, + ReLU), softmax, layer_norm and rms_norm with
    ``R.call_dps_packed("dspx.kernels.<name>", ...)`` (attributes are passed as
-   ``R.prim_value`` / ``R.shape`` arguments, see dspx.device.kernels);
+   ``R.prim_value`` / ``R.shape`` arguments, see dspx.device.kernels); then
+   mark tensors that only travel from kernel to kernel as blocked, so the
+   backend keeps them in its NCHWc layout (no reorder between kernels);
 3. legalize, fuse and schedule the remaining glue: elementwise producers
    inlined, the innermost loop vectorized by 16, the outer loops fused and
    parallel over the target's cores when the nest is large.
@@ -105,6 +107,13 @@ def _f32(*exprs) -> bool:
     return all(_dtype(e) == "float32" for e in exprs)
 
 
+def _bias_shapes(layout: int, c: int) -> list[list[int]]:
+    """Shapes that broadcast a per-channel vector onto a 4-D tensor in `layout`."""
+    if layout == LAYOUT_NCHW:
+        return [[1, c, 1, 1], [c, 1, 1]]
+    return [[c], [1, c], [1, 1, c], [1, 1, 1, c]]
+
+
 @dataclass
 class _Plan:
     """A planned replacement of one binding: kernel name + args (original exprs)."""
@@ -179,13 +188,12 @@ class _Matcher:
         return expr, bias, residual, act
 
     def _is_bias(self, other, add_expr) -> bool:
-        """A per-channel vector: (O,), (1,O,1,1) for NCHW or (1,1,1,O) for NHWC."""
+        """Shaped like a per-channel vector in NCHW or NHWC; plan_conv checks
+        it against the convolution's actual layout."""
         s, o = _shape(other), _shape(add_expr)
         if s is None or o is None or len(o) != 4 or not _f32(other):
             return False
-        n = int(np.prod(s)) if s else 1
-        return n > 1 and n in (o[1], o[3]) and (len(s) == 1 and s[0] == o[3]
-                                               or s in ([1, o[1], 1, 1], [1, 1, 1, o[3]]))
+        return s in _bias_shapes(LAYOUT_NCHW, o[1]) or s in _bias_shapes(LAYOUT_NHWC, o[3])
 
     def plan_conv(self, var) -> _Plan | None:
         m = self.conv_chain(var)
@@ -205,11 +213,8 @@ class _Matcher:
         cout = ws[0]
         # the channel axis of the bias must be the layout's channel axis
         if bias is not None:
-            bs = _shape(bias)
-            ok = (len(bs) == 1 or (layout == LAYOUT_NCHW and bs == [1, cout, 1, 1])
-                  or (layout == LAYOUT_NHWC and bs == [1, 1, 1, cout]))
-            if not ok:
-                return None
+            if _shape(bias) not in _bias_shapes(layout, cout):
+                return None  # e.g. an NCHW add of a (W,) vector: not a bias
             bias = ("reshape", bias, cout)
         else:
             bias = ("zeros", cout)

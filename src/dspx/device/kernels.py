@@ -1026,6 +1026,25 @@ def attention_decode(q, k_cache, v_cache, length, scale, out):
     np.matmul(s, v[:, :, :n], out=o.reshape(bsz, hkv, hq // hkv, d))
 
 
+@_kernel("kv_update", "cache new", "pos", "out", "numpy")
+def kv_update(cache, new, pos, out):
+    """out = cache with ``new`` written at positions pos.. along axis -2.
+
+    cache, out (B, H, T, D); new (B, H, S, D). When out is the cache's own
+    memory (KV-resident decode hands the same buffer in and out) only the S
+    new rows are written; otherwise the cache is copied first.
+    """
+    c, n, o = _np(cache), _np(new), _np(out)
+    p, s = int(pos), n.shape[-2]
+    if c.shape != o.shape or n.shape[:-2] != c.shape[:-2] or n.shape[-1] != c.shape[-1]:
+        raise KernelError(f"kv_update: cache {c.shape}, new {n.shape}, out {o.shape}")
+    if p < 0 or p + s > c.shape[-2]:
+        raise KernelError(f"kv_update: positions {p}..{p + s - 1} outside T={c.shape[-2]}")
+    if o.ctypes.data != c.ctypes.data:
+        np.copyto(o, c)
+    o[..., p:p + s, :] = n
+
+
 # ---------------------------------------------------------------- registry
 
 def names() -> set[str]:
