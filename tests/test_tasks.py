@@ -12,7 +12,7 @@ import scipy.special
 
 from dspx.errors import BadHandle, Busy, CallFailed, DeviceTimeout, MissingSymbol, ModuleLoadError, UnknownOp
 from dspx.host.tasks import ANY, SOFTMAX_CMD, Tasks, softmax_param
-from tests.conftest import Device
+from conftest import Device
 
 # An op library for these tests: a busy loop that holds the interpreter (so
 # parallel cores prove separate interpreters), and a recorder of start order.

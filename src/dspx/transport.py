@@ -106,6 +106,7 @@ class Endpoint:
         self.sock = sock
         self.max_msg = max_msg
         self._cmsg_space = socket.CMSG_SPACE(max_fds * array.array("i").itemsize)
+        self._rbuf = bytearray(max_msg + 1)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLRDHUP)
 
@@ -134,9 +135,15 @@ class Endpoint:
         return self.recv_ready(bufsize)
 
     def recv_ready(self, bufsize: int | None = None):
+        size = bufsize or self.max_msg + 1
+        if len(self._rbuf) < size:
+            self._rbuf = bytearray(size)
         try:
-            data, anc, flags, _ = self.sock.recvmsg(bufsize or self.max_msg + 1, self._cmsg_space,
-                                                    socket.MSG_CMSG_CLOEXEC)
+            # Into a buffer kept for the endpoint's life: a fresh 1 MiB bytes
+            # object per internal job message cost an mmap/munmap each time.
+            n, anc, flags, _ = self.sock.recvmsg_into([memoryview(self._rbuf)[:size]], self._cmsg_space,
+                                                      socket.MSG_CMSG_CLOEXEC)
+            data = bytes(self._rbuf[:n])
         except (ConnectionResetError, BrokenPipeError):
             raise PeerClosed("peer reset the channel") from None
         except OSError as e:

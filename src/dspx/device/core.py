@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import signal
 import socket
 import struct
 import sys
@@ -22,6 +23,20 @@ from . import jobs
 
 PRINTF_HDR = struct.Struct("<IIII")
 
+# Fault injection (tests only, off by default): with DSPX_FAULT_INJECTION=1 in
+# the device's environment, every core registers the built-in operator
+# FAULT_CRASH_CMD ("fault.crash") whose handler kills its core process
+# (os._exit(70)), so tests can crash a core through the ordinary RPC path.
+FAULT_INJECTION_ENV = "DSPX_FAULT_INJECTION"
+FAULT_CRASH_CMD = 0xFA01
+
+
+class JobAborted(Exception):
+    """Raised inside a running job when the front asks for an abort (SIGUSR1):
+    the connection that submitted it is gone."""
+
+    status = Status.ERR_CALL
+
 
 class Core:
     def __init__(self, ep: Endpoint, index: int, threads: int):
@@ -32,6 +47,14 @@ class Core:
         self.modules: dict[int, object] = {}
         self.models: dict[int, object] = {}
         self._ops = None
+        self._running_job = None  # id of the job being run, the only thing SIGUSR1 may abort
+
+    def _on_abort(self, signum, frame) -> None:
+        # The front sends SIGUSR1 only while it believes one of our jobs runs;
+        # between jobs (or during internal messages) it is ignored.
+        if self._running_job is not None:
+            job, self._running_job = self._running_job, None
+            raise JobAborted(f"job {job} aborted: the connection that submitted it closed")
 
     # ---------------------------------------------------------------- lazies
     @property
@@ -39,6 +62,8 @@ class Core:
         if self._ops is None:
             from . import ops_host
             self._ops = ops_host.CoreOps(self)
+            if os.environ.get(FAULT_INJECTION_ENV) == "1":
+                self._ops.registry.register(FAULT_CRASH_CMD, _fault_crash, 0, "fault.crash")
         return self._ops
 
     def kernel_names(self) -> set[str]:
@@ -53,6 +78,8 @@ class Core:
     # ---------------------------------------------------------------- buffers
     def _take_fds(self, msg: dict, fds: list[int]) -> None:
         for buf_id, size in msg.get("new_bufs", ()):
+            if not fds:
+                raise RuntimeError(f"buffer {buf_id} arrived without its fd (fd limit?)")
             fd = fds.pop(0)
             try:
                 self.bufs[buf_id] = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -106,6 +133,11 @@ class Core:
             mod = self.modules.pop(msg["handle"], None)
             if mod is not None:
                 mod.unload()
+                if hasattr(self, "_kernels"):
+                    # Prepacked weights are keyed by content: drop them with
+                    # the module (others rebuild theirs on their next call).
+                    from . import kernels
+                    kernels.clear_caches()
             return {}
         if kind == "model_load":
             return self.model_load(msg)
@@ -128,7 +160,23 @@ class Core:
         elf = mm[msg["offset"]:msg["offset"] + msg["size"]]
         mod = loader.load_module(elf, self.kernel_names(), ddr_free=msg["ddr_free"])
         self.modules[msg["handle"]] = mod
+        self._warm_up(mod)
         return loader.describe(mod)
+
+    @staticmethod
+    def _warm_up(mod) -> None:
+        """Run a module that calls the kernel library once on zeros, so the
+        kernels' per-weight sessions are built at DYN_LOAD, not in the first
+        INFER.  (A separate-weights module has no weights yet: its first
+        INFER pays.)"""
+        sig = mod.signature
+        if sig is None or not sig.kernel_imports or sig.weights == "separate":
+            return
+        import numpy as np
+        try:
+            mod.run([np.zeros(t.shape, t.dtype) for t in sig.inputs])
+        except Exception:
+            pass  # a module that cannot run on zeros reports its error at INFER
 
     def model_load(self, msg: dict) -> dict:
         from . import loader
@@ -152,17 +200,23 @@ class Core:
         return out
 
     def serve(self) -> None:
+        signal.signal(signal.SIGUSR1, self._on_abort)  # before hello: no job can come earlier
         jobs.send(self.ep, {"kind": "hello", "core": self.index, "pid": os.getpid(),
                             "ops": self.ops.op_list(lib=0)})
         while True:
+            self._running_job = None
             try:
                 msg, fds = jobs.recv(self.ep)
             except PeerClosed:
                 return
-            self._take_fds(msg, fds)
             job_id = msg.get("job")
             try:
-                result = self.handle(msg)
+                self._take_fds(msg, fds)
+                self._running_job = job_id
+                try:
+                    result = self.handle(msg)
+                finally:
+                    self._running_job = None
                 if result is None:
                     continue
                 result.setdefault("status", Status.SUCCESS)
@@ -178,6 +232,10 @@ class Core:
             if job_id is not None:
                 result["job"] = job_id
                 jobs.send(self.ep, result)
+
+
+def _fault_crash(inp, out, tm) -> int:
+    os._exit(70)
 
 
 def main(argv=None) -> None:

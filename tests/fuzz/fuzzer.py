@@ -1,0 +1,573 @@
+"""A structure-aware fuzzer for the device protocol.
+
+It opens a real connection to a live device and sets it up so that deep
+paths are reachable: a staging buffer with a KV region, a printf ring,
+input_buf/output_buf, two loaded modules (``multi_input``: 7 inputs, so
+INFER_LARGE with a descriptor table in input_buf; ``multi_output``: 7
+outputs, so INFER with inline input descriptors and the output descriptor
+table written to output_buf), a scratch buffer for RPC (softmax parameter
+struct) and a few spare buffers that BUF_DETACH may take away.
+
+Each step builds a *valid* message of one type for that state (INFER,
+INFER_LARGE, RPC, SET_PRINTF_BUF, BUF_ATTACH with or without an fd,
+BUF_DETACH, DYN_LOAD / MODEL_LOAD with garbage or damaged modules staged,
+OPS_LOAD with garbage source, DYN_UNLOAD, MODEL_UNLOAD, OPS_LIST, GET_ERROR,
+POOL_STATUS, PING, GET_STATUS) and then mutates it field by field: lengths,
+counts, addresses at every buffer edge (base−1, base, end−1, end, end+1, of
+this connection's buffers, of another connection's, of the KV region, of
+the DDR pool 0x1_0200_0000 and L2 0x7E00_0000), sizes near 2^32 and 2^64,
+ndim, dtype, shapes, flags, reserved fields, descriptor arrays (inline and in
+the table), seq, the header's type/len/status, body truncation/extension —
+or sends random bytes.  Every request must get exactly one well-formed
+response within the timeout: type ``0x1000 | type``, the same seq, ``len``
+equal to the datagram size, a decodable body when it succeeded.
+
+The fuzzer never trusts its own state after a mutated request succeeded:
+anything that may have removed one of its fixtures (a detach, an unload, a
+new printf binding) makes it reopen its connection, which also exercises the
+"a closed connection leaves nothing behind" path thousands of times.
+"""
+from __future__ import annotations
+
+import array
+import collections
+import fcntl
+import os
+import random
+import select
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspx import memory, protocol as P
+from dspx.protocol import MsgType as T, Status
+
+HDR = struct.Struct("<IIIi")
+U32 = 0xFFFFFFFF
+U64 = (1 << 64) - 1
+DDR_BASE = memory.DDR_POOL_BASE
+L2_BASE = memory.L2_BASE
+
+# ------------------------------------------------------------------ checking
+
+
+def expected_header(datagram: bytes) -> tuple[int, int]:
+    """(response type, seq) the device must answer ``datagram`` with."""
+    mtype = struct.unpack_from("<I", datagram)[0] if len(datagram) >= 4 else 0
+    seq = struct.unpack_from("<I", datagram, 4)[0] if len(datagram) >= 8 else 0
+    return (P.RESPONSE_BIT | mtype) & U32, seq
+
+
+def check_response(datagram: bytes, resp: bytes) -> str | None:
+    """Why ``resp`` is not a well-formed answer to ``datagram``, or None."""
+    if len(resp) < P.HEADER_SIZE:
+        return f"response of {len(resp)} bytes"
+    if len(resp) > P.MAX_MSG:
+        return f"response of {len(resp)} bytes > {P.MAX_MSG}"
+    rtype, seq, ln, status = HDR.unpack_from(resp)
+    want_type, want_seq = expected_header(datagram)
+    if rtype != want_type:
+        return f"response type 0x{rtype:x}, expected 0x{want_type:x}"
+    if seq != want_seq:
+        return f"response seq {seq}, expected {want_seq}"
+    if ln != len(resp):
+        return f"response len field {ln} != datagram size {len(resp)}"
+    if status not in Status._value2member_map_:
+        return f"unknown status {status}"
+    cls = P.message_class(rtype)
+    if status == Status.SUCCESS:
+        if cls is None:
+            return f"SUCCESS for a type with no response class 0x{rtype:x}"
+        try:
+            P.decode(resp)
+        except P.ProtocolError as e:
+            return f"undecodable successful response: {e}"
+    elif cls is not None and len(resp) not in (P.HEADER_SIZE, cls.SIZE):
+        return f"failure response of {len(resp)} bytes (typed body is {cls.SIZE})"
+    return None
+
+
+# ------------------------------------------------------------------ stats
+
+
+@dataclass
+class FuzzStats:
+    sent: int = 0
+    by_status: collections.Counter = field(default_factory=collections.Counter)
+    by_type: collections.Counter = field(default_factory=collections.Counter)
+    by_kind: collections.Counter = field(default_factory=collections.Counter)
+    malformed: int = 0
+    extra_responses: int = 0
+    hangs: int = 0
+    crashes: int = 0  # the device closed our connection or its front process died
+    core_restarts: int = 0
+    reconnects: int = 0
+    fds_sent: int = 0
+    problems: list = field(default_factory=list)
+    max_latency_s: float = 0.0
+    elapsed_s: float = 0.0
+
+    def problem(self, text: str) -> None:
+        if len(self.problems) < 50:
+            self.problems.append(text)
+
+    def as_dict(self) -> dict:
+        return {"sent": self.sent, "by_status": dict(self.by_status.most_common()),
+                "by_type": dict(self.by_type.most_common()), "by_kind": dict(self.by_kind.most_common()),
+                "malformed": self.malformed, "extra_responses": self.extra_responses, "hangs": self.hangs,
+                "crashes": self.crashes, "core_restarts": self.core_restarts, "reconnects": self.reconnects,
+                "fds_sent": self.fds_sent, "max_latency_s": round(self.max_latency_s, 4),
+                "elapsed_s": round(self.elapsed_s, 2),
+                "msgs_per_s": round(self.sent / self.elapsed_s, 1) if self.elapsed_s else 0,
+                "problems": self.problems}
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def compiled_example(name: str) -> Path:
+    """Directory of a compiled example module (the tests' cache in .cache/dspx)."""
+    from tests.conftest import CACHE, _compiler_digest
+
+    out = Path(CACHE, "modules", _compiler_digest(), name)
+    if not (out / "metadata.json").exists():
+        from dspx.compiler import examples
+        from dspx.compiler.onnx import compile_onnx
+
+        onnx_paths = examples.build_all(os.path.join(CACHE, "onnx"))
+        compile_onnx(onnx_paths[name], out, separate_weights=False, kernels=False, progress=False)
+    return out
+
+
+def device_footprint(front_pid: int) -> dict:
+    """Open fds and RSS of a device: its front process and its cores."""
+    import psutil
+
+    front = psutil.Process(front_pid)
+    procs = [front] + [c for c in front.children() if c.is_running()]
+    fds = rss = 0
+    for p in procs:
+        try:
+            fds += p.num_fds()
+            rss += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return {"fds_front": front.num_fds(), "fds": fds, "rss": rss, "cores": [p.pid for p in procs[1:]]}
+
+
+def sealed_memfd(size: int, seal: bool = True) -> int:
+    fd = os.memfd_create("fuzz", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, memory.REQUIRED_SEALS)
+    return fd
+
+
+def _fmt_fields(cls) -> list[tuple[str, str]]:
+    """[(field name, struct char)] of a message class's fixed body."""
+    chars = cls.BODY.format.lstrip("<")
+    return list(zip(cls.FIELDS, chars))
+
+
+_RANGES = {"I": (0, U32), "i": (-(1 << 31), (1 << 31) - 1), "Q": (0, U64), "q": (-(1 << 63), (1 << 63) - 1)}
+
+GARBAGE_SOURCES = [
+    b"", b"\x00" * 64, b"\xff\xfe\xfd", b"import os\n", b"def f(:\n", b"x = 1\n" * 100,
+    b"from dspx.device import runtime as rt\nrt.register_op(0x1402, lambda i, o, t: 0)\n",
+    b"__import__('os')._exit(1)\n", b"open('/etc/passwd')\n", b"while True: pass\n"[:0] + b"raise SystemExit\n",
+    b"import numpy\nnumpy.zeros(1 << 60)\n", b"\n" * 4096, "\u00e9\u4e2d".encode() * 100,
+]
+
+
+class Fuzzer:
+    """Drive one fuzz connection against the device at ``path``.
+
+    ``modules``: {"multi_input": dir, "multi_output": dir} compiled modules.
+    ``foreign``: DSP addresses that belong to *another* connection (its
+    buffers, staging, KV region) — every one must be ERR_ADDR here.
+    """
+
+    def __init__(self, path: str, modules: dict, seed: int = 0, timeout: float = 20.0,
+                 foreign: list[tuple[int, int]] = (), front_pid: int | None = None, reset_every: int = 20000):
+        self.path = path
+        self.rng = random.Random(seed)
+        self.timeout = timeout
+        self.foreign = list(foreign)
+        self.front_pid = front_pid
+        self.reset_every = reset_every
+        self.stats = FuzzStats()
+        self.elfs = {k: (Path(v) / "model.so").read_bytes() for k, v in modules.items()}
+        self.client = None
+        self._seq = 1
+        self._since_reset = 0
+        self._oplibs: set[int] = set()
+        self._core_pids: list[int] | None = None
+        self._open()
+
+    # -------------------------------------------------------------- state
+    def _open(self) -> None:
+        import warnings
+
+        from dspx.host.client import Client
+
+        self.client = c = Client(self.path, timeout=self.timeout, staging_size=1 << 20, kv_size=64 << 10,
+                                 printf_size=16 << 10)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.mi = c.load_module(self.elfs["multi_input"])
+            self.mo = c.load_module(self.elfs["multi_output"])
+        c.reserve_io(max(c.input_capacity, 4096), max(c.output_capacity, 8192), 7)
+        self.scratch = c.alloc(64 << 10, "fuzz-scratch")
+        self.spares = [c.alloc(4096, "fuzz-spare") for _ in range(2)]
+        self.sock = c.ep.sock
+        self.sock.settimeout(None)
+        self._poll = select.poll()
+        self._poll.register(self.sock, select.POLLIN | select.POLLHUP | select.POLLRDHUP)
+        st = c.staging
+        self.kv = (st.dsp_addr + st.size - c.kv_size, c.kv_size)
+        self.bufs = [(b.dsp_addr, b.size) for b in c.bufs]
+        self._seq = 1000
+        self._since_reset = 0
+        # Fixed parts of valid requests.
+        import numpy as np
+
+        ib, ob = c.input_buf, c.output_buf
+        self.mi_descs = []
+        off = P.align(80 * 7, 64)
+        for shape, dt in [((1, 16), "float32"), ((1, 16), "float32"), ((4, 4), "float32"), ((2, 8), "float32"),
+                          ((16,), "float32"), ((1, 16), "int64"), ((1,), "float16")]:
+            d = P.TensorDesc.for_array(ib.dsp_addr + off, shape, dt)
+            self.mi_descs.append(d)
+            off = P.align(off + d.data_size, 64)
+        ib.mm[:80 * 7] = P.encode_descs(self.mi_descs)
+        self.mo_desc = P.TensorDesc.for_array(ib.dsp_addr + 4096 - 256, (2, 32), "float32")
+        # softmax parameter struct in scratch: 64 floats at scratch+1024, output at scratch+4096.
+        sc = self.scratch
+        np.frombuffer(sc.mm, np.float32, 64, 1024)[:] = np.linspace(-3, 3, 64, dtype=np.float32)
+        struct.pack_into("<iQB", sc.mm, 0, 256, sc.dsp_addr + 1024, 0)
+
+    def _reset(self, why: str = "") -> None:
+        self.stats.reconnects += 1
+        try:
+            self.client.close()
+        except Exception:
+            pass
+        self._open()
+
+    def close(self) -> None:
+        for h in list(self._oplibs):
+            self._unload_oplib(h)
+        if self.client:
+            self.client.close()
+            self.client = None
+
+    def _unload_oplib(self, handle: int) -> None:
+        self._oplibs.discard(handle)
+        try:
+            self.client.request(P.DynUnload(module_handle=handle), timeout=self.timeout)
+        except Exception:
+            pass
+
+    # -------------------------------------------------------------- values
+    def _edges(self) -> list[int]:
+        out = [0, 1, memory.CARVEOUT_BASE - 1, memory.CARVEOUT_BASE, memory.CARVEOUT_BASE + memory.CARVEOUT_SIZE,
+               DDR_BASE, DDR_BASE + 4096, DDR_BASE + memory.DDR_POOL_SIZE - 1, L2_BASE, L2_BASE + 64,
+               L2_BASE + memory.L2_SIZE - 1, U32, 1 << 32, (1 << 32) + 1, 1 << 63, U64, U64 - 15, U64 - 4095]
+        for a, s in self.bufs + [self.kv] + self.foreign:
+            out += [a - 1, a, a + 1, a + s // 2, a + s - 1, a + s, a + s + 1, a + s - 64]
+        return out
+
+    def _value(self, ch: str, orig: int, name: str) -> int:
+        lo, hi = _RANGES[ch]
+        r = self.rng.random()
+        if ("addr" in name) and r < 0.6:
+            v = self.rng.choice(self._edges())
+        elif ("size" in name or "num" in name) and r < 0.5:
+            v = self.rng.choice([0, 1, 15, 16, 63, 64, 79, 80, 81, 4095, 4096, 4097, 1 << 20, (1 << 31) - 1,
+                                 1 << 31, U32 - 1, U32, 1 << 32, (1 << 32) + 80, 1 << 63, U64, U64 - 79,
+                                 orig - 1, orig + 1, orig * 2, U64 - orig]
+                                + [s + d for _, s in self.bufs for d in (-1, 0, 1)])
+        else:
+            v = self.rng.choice([0, 1, 2, 5, 6, 7, 0x7F, 0x80, 0xFF, 0xFFFF, 0x10000, 0x1FFFF, (1 << 31) - 1,
+                                 1 << 31, U32 - 1, U32, -1, -2, -(1 << 31), 1 << 32, 1 << 63, U64,
+                                 orig - 1, orig + 1, orig ^ (1 << self.rng.randrange(64)),
+                                 self.rng.randrange(1 << 64)])
+        if ch in "IQ":
+            v &= hi
+        elif not lo <= v <= hi:
+            v = (v & (2 * hi + 1)) - (2 * hi + 2 if v & (hi + 1) else 0)
+        return v
+
+    # -------------------------------------------------------------- templates
+    def _valid(self, kind: str):
+        """A valid request of ``kind``: (message, fds, staged bytes or None, desc table)."""
+        c = self.client
+        ib, ob = c.input_buf, c.output_buf
+        rng = self.rng
+        if kind == "INFER":
+            return P.Infer(module_handle=self.mo.handle, num_inputs=1, input_dsp_addr=ib.dsp_addr,
+                           input_size=ib.size, result_dsp_addr=ob.dsp_addr, result_size=ob.size,
+                           flags=rng.choice([0, 0, 2, P.FLAG_KV_RESIDENT]), descs=[self.mo_desc]), ()
+        if kind == "INFER_LARGE":
+            return P.InferLarge(module_handle=self.mi.handle, num_inputs=7, descs_addr=ib.dsp_addr,
+                                descs_size=560, input_dsp_addr=ib.dsp_addr, input_size=ib.size,
+                                result_dsp_addr=ob.dsp_addr, result_size=ob.size), ()
+        if kind == "RPC":
+            sc = self.scratch
+            return P.Rpc(cmd=0x1402, core=-1, priority=rng.randrange(256), timeout_ms=rng.choice([0, 5000]),
+                         input_dsp_addr=sc.dsp_addr, input_size=13, output_dsp_addr=sc.dsp_addr + 4096,
+                         output_size=256), ()
+        if kind == "SET_PRINTF_BUF":
+            pb = c.printf_buf
+            return P.SetPrintfBuf(printf_dsp_addr=pb.dsp_addr, printf_size=pb.size), ()
+        if kind == "BUF_ATTACH":
+            size = rng.choice([4096, 8192, 100, 1 << 16])
+            fds = [] if rng.random() < 0.2 else [sealed_memfd(size, seal=rng.random() < 0.9)]
+            if fds and rng.random() < 0.1:
+                fds.append(sealed_memfd(4096))
+            return P.BufAttach(size=size, flags=0, kv_size=0), fds
+        if kind == "BUF_DETACH":
+            return P.BufDetach(dsp_addr=rng.choice(self.spares).dsp_addr), ()
+        if kind == "DYN_LOAD":
+            n = self._stage_garbage(elf=True)
+            return P.DynLoad(elf_size=n), ()
+        if kind == "MODEL_LOAD":
+            n = self._stage_garbage(elf=False)
+            return P.ModelLoad(weights_size=n), ()
+        if kind == "OPS_LOAD":
+            src = rng.choice(GARBAGE_SOURCES) or bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
+            sc = self.scratch
+            off = 32768
+            sc.mm[off:off + len(src)] = src
+            return P.OpsLoad(src_dsp_addr=sc.dsp_addr + off, src_size=len(src)), ()
+        if kind == "DYN_UNLOAD":
+            return P.DynUnload(module_handle=rng.choice([self.mi.handle, self.mo.handle, 0, U32,
+                                                         self.mi.handle + 1000])), ()
+        if kind == "MODEL_UNLOAD":
+            return P.ModelUnload(model_id=rng.choice([0, 1, self.mi.handle, U32])), ()
+        if kind == "OPS_LIST":
+            return P.OpsList(start=rng.choice([0, 1, 9, 10, U32])), ()
+        cls = {"PING": P.Ping, "GET_STATUS": P.GetStatus, "GET_ERROR": P.GetError, "POOL_STATUS": P.PoolStatus}[kind]
+        return cls(), ()
+
+    def _stage_garbage(self, elf: bool) -> int:
+        """Put something broken into staging; return the size to claim."""
+        st = self.client.staging
+        room = st.size - self.client.kv_size
+        rng = self.rng
+        base = self.elfs[rng.choice(["multi_input", "multi_output"])]
+        r = rng.random()
+        if r < 0.3:
+            data = base[:rng.randrange(1, len(base))]  # truncated
+        elif r < 0.6:
+            data = bytearray(base)
+            # damage the ELF identity / header fields, or one random byte
+            for _ in range(rng.randrange(1, 4)):
+                i = rng.choice([4, 5, 6, 7, 16, 18, 20, 24, 32, 40, 52, 54, 56, 58, 60, 62,
+                                rng.randrange(64)])
+                data[i] = rng.randrange(256)
+            data = bytes(data)
+        elif r < 0.8:
+            data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 2048)))
+        elif r < 0.9:
+            data = b"\x7fELF" + bytes(rng.randrange(256) for _ in range(rng.randrange(0, 512)))
+        else:
+            data = b"DSPXWGT1" + bytes(rng.randrange(256) for _ in range(rng.randrange(0, 256)))
+        st.mm[:len(data)] = data
+        if rng.random() < 0.1:
+            return rng.choice([0, room, room + 1, U32])
+        return len(data)
+
+    KINDS = (["INFER"] * 8 + ["INFER_LARGE"] * 8 + ["RPC"] * 6 + ["SET_PRINTF_BUF"] * 4 + ["BUF_ATTACH"] * 3
+             + ["BUF_DETACH"] * 3 + ["DYN_LOAD"] * 2 + ["MODEL_LOAD"] * 2 + ["OPS_LOAD"] * 2 + ["DYN_UNLOAD"] * 2
+             + ["MODEL_UNLOAD"] * 2 + ["OPS_LIST"] * 2 + ["PING", "GET_STATUS", "GET_ERROR", "POOL_STATUS"])
+
+    def _mutate_desc_bytes(self, raw: bytearray, start: int, count: int) -> None:
+        i = self.rng.randrange(count)
+        off = start + 80 * i
+        rng = self.rng
+        which = rng.randrange(7)
+        if which == 0:  # data_addr
+            struct.pack_into("<Q", raw, off, self._value("Q", struct.unpack_from("<Q", raw, off)[0], "addr"))
+        elif which == 1:  # data_size
+            struct.pack_into("<Q", raw, off + 8, self._value("Q", struct.unpack_from("<Q", raw, off + 8)[0], "size"))
+        elif which == 2:  # ndim
+            struct.pack_into("<i", raw, off + 16, rng.choice([-1, 0, 1, 2, 5, 6, 7, 1 << 30, -(1 << 31)]))
+        elif which == 3:  # dtype
+            struct.pack_into("<ii", raw, off + 20, rng.choice([-1, 0, 1, 2, 3, 4, 255]),
+                             rng.choice([0, 1, 7, 8, 16, 32, 64, 128, -8]))
+        elif which == 4:  # reserved
+            struct.pack_into("<i", raw, off + 28, rng.choice([1, -1]))
+        else:  # one shape extent
+            j = rng.randrange(6)
+            struct.pack_into("<q", raw, off + 32 + 8 * j,
+                             rng.choice([-1, 0, 1, 2, 16, 1 << 31, 1 << 32, (1 << 62), -(1 << 63), (1 << 63) - 1]))
+
+    def build(self) -> tuple[bytes, list[int], str]:
+        """One fuzz datagram (+ fds to send with it) and its kind label."""
+        rng = self.rng
+        r = rng.random()
+        self._seq = (self._seq + 1) & U32
+        if r < 0.04:  # random bytes
+            n = rng.choice([0, 1, 3, 4, 7, 8, 15, 16, 17, rng.randrange(512), 512, 513, rng.randrange(513, 4096)])
+            data = bytes(rng.randrange(256) for _ in range(n))
+            return data, [], "random"
+        if r < 0.07:  # a valid header with a random type / random body
+            t = rng.choice([rng.randrange(1 << 32), rng.randrange(0x80), 0x1001, 0x1021, 0x7FFF, 0x10000 | 0x21])
+            body = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 497)))
+            return HDR.pack(t, self._seq, 16 + len(body), 0) + body, [], "random_type"
+        kind = rng.choice(self.KINDS)
+        msg, fds = self._valid(kind)
+        msg.seq = self._seq
+        label = kind
+        n_mut = 0 if rng.random() < 0.12 else rng.choice([1, 1, 1, 2, 3])
+        fields = _fmt_fields(type(msg))
+        for _ in range(n_mut if fields else 0):
+            name, ch = rng.choice(fields)
+            setattr(msg, name, self._value(ch, getattr(msg, name), name))
+        if kind == "INFER_LARGE" and rng.random() < 0.4:  # damage the descriptor table in input_buf
+            ib = self.client.input_buf
+            raw = bytearray(P.encode_descs(self.mi_descs))
+            self._mutate_desc_bytes(raw, 0, 7)
+            ib.mm[:len(raw)] = raw
+            n_mut += 1
+        elif kind == "INFER_LARGE":
+            self.client.input_buf.mm[:560] = P.encode_descs(self.mi_descs)
+        data = bytearray(msg.encode())
+        if kind == "INFER" and rng.random() < 0.4:
+            if rng.random() < 0.5:
+                self._mutate_desc_bytes(data, 64, 1)
+            else:  # more or fewer inline descriptors than num_inputs
+                extra = rng.choice([0, 1, 4, 5])
+                del data[64:]
+                data += P.encode_descs([self.mo_desc] * extra)
+                struct.pack_into("<I", data, 8, len(data))
+            n_mut += 1
+        if rng.random() < 0.08:  # header / framing
+            h = rng.randrange(5)
+            if h == 0:
+                struct.pack_into("<I", data, 8, self._value("I", len(data), "len"))
+            elif h == 1:
+                struct.pack_into("<i", data, 12, rng.choice([1, -1, -(1 << 31)]))
+            elif h == 2:
+                data = data[:rng.randrange(len(data))]
+            elif h == 3:
+                data += bytes(rng.randrange(1, 600))
+                if rng.random() < 0.5:
+                    struct.pack_into("<I", data, 8, len(data) & U32)
+            else:
+                struct.pack_into("<I", data, 0, rng.choice([0x1000 | msg.TYPE, msg.TYPE ^ 1, msg.TYPE | 0x100]))
+            n_mut += 1
+            label += ":hdr"
+        if not fds and rng.random() < 0.02:  # an fd riding on a message that takes none
+            fds = [sealed_memfd(4096)]
+        self.stats.by_kind[label + ("" if n_mut else ":valid")] += 1
+        return bytes(data), fds, label
+
+    # -------------------------------------------------------------- running
+    def _recv(self) -> bytes | None:
+        t0 = time.monotonic()
+        if not self._poll.poll(int(self.timeout * 1000)):
+            return None
+        data, anc, flags, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(16 * 4))
+        for level, ctype, cdata in anc or ():
+            if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
+                a = array.array("i")
+                a.frombytes(cdata[: len(cdata) - len(cdata) % 4])
+                for fd in a:
+                    os.close(fd)
+                self.stats.problem("device sent fds on a response")
+        if not data:
+            raise ConnectionResetError("device closed the connection")
+        self.stats.max_latency_s = max(self.stats.max_latency_s, time.monotonic() - t0)
+        return data
+
+    def step(self) -> None:
+        data, fds, label = self.build()
+        st = self.stats
+        try:
+            try:
+                if fds:
+                    socket.send_fds(self.sock, [data], fds)
+                    st.fds_sent += len(fds)
+                else:
+                    self.sock.send(data)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            st.sent += 1
+            mtype = struct.unpack_from("<I", data)[0] if len(data) >= 4 else None
+            st.by_type[P.MsgType(mtype).name if mtype in P.MsgType._value2member_map_ else "other"] += 1
+            resp = self._recv()
+        except (ConnectionError, OSError) as e:
+            if isinstance(e, OSError) and e.errno == 90:  # EMSGSIZE: larger than the socket allows, not sent
+                return
+            st.crashes += 1
+            st.problem(f"{label}: connection lost ({e!r}) after {data[:64].hex()}")
+            self._after_loss()
+            return
+        if resp is None:
+            st.hangs += 1
+            st.problem(f"{label}: no response within {self.timeout} s to {data[:96].hex()}")
+            self._reset("hang")
+            return
+        why = check_response(data, resp)
+        status = HDR.unpack_from(resp)[3] if len(resp) >= 16 else None
+        st.by_status[Status.name_of(status) if status is not None else "none"] += 1
+        if why:
+            st.malformed += 1
+            st.problem(f"{label}: {why}; request {data[:96].hex()} response {resp[:64].hex()}")
+        if self._poll.poll(0):  # exactly one response
+            st.extra_responses += 1
+            try:
+                extra = self.sock.recv(4096, socket.MSG_DONTWAIT)
+                st.problem(f"{label}: extra datagram {extra[:32].hex()} after {data[:64].hex()}")
+            except OSError:
+                pass
+        self._track(data, resp, status)
+
+    def _track(self, data: bytes, resp: bytes, status: int | None) -> None:
+        """Keep the fuzz state usable after a (possibly mutated) request succeeded."""
+        self._since_reset += 1
+        if status != Status.SUCCESS:
+            if status == Status.ERR_HANDLE and len(data) >= 20:
+                t = struct.unpack_from("<I", data)[0]
+                h = struct.unpack_from("<I", data, 16)[0]
+                if t in (T.INFER, T.INFER_LARGE) and h in (self.mi.handle, self.mo.handle):
+                    self.stats.core_restarts += 1  # our module vanished: its core was restarted
+                    self._reset("module gone")
+            return
+        rtype = HDR.unpack_from(resp)[0] & ~P.RESPONSE_BIT
+        if rtype in (T.OPS_LOAD, T.DYN_LOAD):
+            r = P.decode(resp)
+            h = r.lib_handle if rtype == T.OPS_LOAD else r.module_handle
+            if rtype == T.OPS_LOAD or struct.unpack_from("<I", data, 20)[0] & P.DYN_LOAD_OP_LIBRARY:
+                self._unload_oplib(h)  # device-wide: never leave one behind
+            return
+        if rtype in (T.BUF_DETACH, T.DYN_UNLOAD, T.MODEL_UNLOAD, T.SET_PRINTF_BUF, T.BUF_ATTACH, T.MODEL_LOAD) \
+                or self._since_reset >= self.reset_every:
+            if rtype == T.SET_PRINTF_BUF and data[16:24] == struct.pack("<Q", self.client.printf_buf.dsp_addr):
+                return
+            if rtype in (T.BUF_ATTACH, T.MODEL_LOAD) and self._since_reset < 200:
+                return  # new things of ours: harmless until the next reset
+            self._reset()
+
+    def _after_loss(self) -> None:
+        if self.front_pid is not None:
+            try:
+                os.kill(self.front_pid, 0)
+            except ProcessLookupError:
+                raise RuntimeError("the device process died") from None
+        self._reset("connection lost")
+
+    def run(self, count: int, progress=None) -> FuzzStats:
+        t0 = time.monotonic()
+        for i in range(count):
+            self.step()
+            if progress and i and i % progress[0] == 0:
+                self.stats.elapsed_s = time.monotonic() - t0
+                progress[1](self.stats)
+        self.stats.elapsed_s = time.monotonic() - t0
+        return self.stats
