@@ -1,0 +1,179 @@
+"""SmolLM2-135M on the simulated device vs the float32 numpy reference.
+
+    .venv/bin/python benchmarks/llm.py [--decode-tokens 64] [--no-compile] [--repeat 3]
+
+What is measured (wall clock in the host process, medians of --repeat runs):
+
+- compile: ``compile_llm`` of the GGUF into a fresh directory (parse + repack +
+  build + export of both modules); skipped with --no-compile.
+- prefill tok/s: prompt tokens / time of ``DeviceLLM.prefill(ids)`` — every
+  64-token chunk's INFER (KV_RESIDENT) plus copying out the last position's
+  logits.  Prompts: the 37-token chat prompt "What is the capital of France?"
+  and a 256-token prompt (the whole context: four full chunks).
+- decode tok/s: after prefilling the 37-token prompt, N greedy steps (positions
+  37…37+N-1), each one INFER of decode.so + reading the logits + argmax.
+  KV-resident (KV stays in the KV region) and non-resident (KV copied into
+  input_buf and out of output_buf every token).
+- bytes moved per decoded token: bytes the host copies into input_buf
+  (tensors + descriptor table) + KV bytes it copies out of output_buf; the
+  196,608 bytes of logits read are the same in both modes and listed apart.
+- reference: tests/llm_reference.py (float32 numpy, dequantized weights), same
+  prompts and steps, in this process, OPENBLAS_NUM_THREADS=1 unless set.
+- llama.cpp: only if llama_cpp is importable (it is not installed here and
+  takes ~15 min to build), otherwise reported as skipped.
+
+Prints a table and writes benchmarks/results/llm.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+# The numpy reference decodes with 1 BLAS thread: with 2, OpenBLAS spin-waits
+# whenever the other CPU is busy and runs ~5x slower (docs/llm.md).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import numpy as np  # noqa: E402
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def decode_run(step, first_logits, start, n):
+    """n greedy steps; returns (seconds, ids)."""
+    t = int(np.argmax(first_logits))
+    ids = []
+    t0 = time.perf_counter()
+    for i in range(n):
+        logits = step(t, start + i)
+        ids.append(t)
+        t = int(np.argmax(logits))
+    return time.perf_counter() - t0, ids
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-reference", action="store_true")
+    a = ap.parse_args()
+
+    from dspx.compiler.llm import compile_llm, compiled_dir
+    from dspx.host.llm import DeviceLLM
+    from dspx.llm import Tokenizer
+
+    results: dict = {"decode_tokens": a.decode_tokens, "repeat": a.repeat, "host": os.uname().nodename,
+                     "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]}
+    if not a.no_compile:
+        with tempfile.TemporaryDirectory(prefix="dspx-llm-bench-") as tmp:
+            meta = compile_llm(None, tmp, progress=True)
+            results["compile_s"] = round(meta["timings"]["total"], 2)
+            results["compile_stages_s"] = {k: round(v, 2) for k, v in meta["timings"].items()}
+    model_dir = compiled_dir(progress=True)
+    tok = Tokenizer.from_gguf(None)
+    p37 = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    assert len(p37) == 37, len(p37)
+    text = ("The quick brown fox jumps over the lazy dog while the river runs to the sea. " * 40)
+    p256 = tok.encode(text)[:256]
+    n = a.decode_tokens
+
+    t0 = time.perf_counter()
+    llm = DeviceLLM(model_dir, progress=True)
+    results["load_s"] = round(time.perf_counter() - t0, 2)
+    try:
+        pre = {}
+        for name, ids in (("37", p37), ("256", p256)):
+            ts = []
+            for _ in range(a.repeat):
+                t0 = time.perf_counter()
+                llm.prefill(ids)
+                ts.append(time.perf_counter() - t0)
+            pre[name] = len(ids) / med(ts)
+        dev = {"prefill_tok_s_37": round(pre["37"], 1), "prefill_tok_s_256": round(pre["256"], 1)}
+        for mode, resident in (("resident", True), ("non_resident", False)):
+            ts, toks = [], None
+            for _ in range(a.repeat):
+                first = llm.prefill(p37)
+                before = llm.traffic.moved
+                dt, toks = decode_run(lambda t, p: llm.decode(t, p, resident=resident), first, len(p37), n)
+                ts.append(dt)
+                moved = (llm.traffic.moved - before) / n
+            dev[f"decode_tok_s_{mode}"] = round(n / med(ts), 1)
+            dev[f"bytes_per_token_{mode}"] = int(moved)
+            dev[f"ids_{mode}"] = toks
+        dev["same_tokens"] = dev["ids_resident"] == dev["ids_non_resident"]
+        dev["resident_speedup"] = round(dev["decode_tok_s_resident"] / dev["decode_tok_s_non_resident"], 2)
+        dev["logits_bytes_per_token"] = 4 * llm.vocab
+        dev["load_warnings"] = llm.load_warnings
+        results["dspx"] = dev
+    finally:
+        llm.close()
+
+    if not a.no_reference:
+        import llm_reference as R
+
+        t0 = time.perf_counter()
+        ref = R.ReferenceLlama(max_seq=256)
+        rr = {"load_s": round(time.perf_counter() - t0, 2)}
+        for name, ids in (("37", p37), ("256", p256)):
+            ts = []
+            for _ in range(a.repeat):
+                t0 = time.perf_counter()
+                ref.prefill(ids)
+                ts.append(time.perf_counter() - t0)
+            rr[f"prefill_tok_s_{name}"] = round(len(ids) / med(ts), 1)
+        ts = []
+        for _ in range(a.repeat):
+            first = ref.prefill(p37)[-1]
+            dt, toks = decode_run(ref.decode, first, len(p37), n)
+            ts.append(dt)
+        rr["decode_tok_s"] = round(n / med(ts), 1)
+        rr["same_tokens_as_dspx"] = toks == results["dspx"]["ids_resident"]
+        results["reference"] = rr
+    try:
+        import llama_cpp  # noqa: F401
+        results["llama_cpp"] = "importable but not benchmarked by this script"
+    except ImportError:
+        results["llama_cpp"] = "skipped: llama-cpp-python is not installed (building it takes ~15 min)"
+    results["load_avg_end"] = os.getloadavg()[0]
+
+    d = results["dspx"]
+    rows = [("dspx KV-resident", d["prefill_tok_s_37"], d["prefill_tok_s_256"], d["decode_tok_s_resident"],
+             d["bytes_per_token_resident"]),
+            ("dspx non-resident", "", "", d["decode_tok_s_non_resident"], d["bytes_per_token_non_resident"])]
+    if "reference" in results:
+        r = results["reference"]
+        rows.append(("numpy float32 reference", r["prefill_tok_s_37"], r["prefill_tok_s_256"], r["decode_tok_s"],
+                     ""))
+    print()
+    print(f"{'':26s} {'prefill 37':>11s} {'prefill 256':>12s} {'decode':>9s} {'bytes/token':>12s}")
+    for name, p1, p2, dd, b in rows:
+        print(f"{name:26s} {p1!s:>11s} {p2!s:>12s} {dd!s:>9s} {b if b == '' else f'{b:,}':>12s}")
+    print(f"(tok/s; decode = {n} greedy tokens from position 37; KV-resident / non-resident = "
+          f"{d['resident_speedup']}x, same tokens: {d['same_tokens']}; logits read: "
+          f"{d['logits_bytes_per_token']:,} bytes/token in both modes)")
+    if "compile_s" in results:
+        print(f"compile: {results['compile_s']} s; load (modules + weights): {results['load_s']} s")
+    print(f"llama.cpp: {results['llama_cpp']}")
+    print(f"load average {results['load_avg_start']:.2f} -> {results['load_avg_end']:.2f} on {results['cpus']} CPUs")
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    out = os.path.join(ROOT, "benchmarks", "results", "llm.json")
+    with open(out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

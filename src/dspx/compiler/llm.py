@@ -1,0 +1,700 @@
+"""A Llama GGUF (SmolLM2-135M by default) -> two dspx device modules.
+
+``compile_llm(gguf, outdir)`` writes
+
+- ``prefill.so``: ``ids (1,64) int64, positions (1,64) int64, k0, v0, …, k29,
+  v29 (1,3,256,64) float32, <weights>`` -> ``logits (1,64,49152), k0', v0', …``
+- ``decode.so``: the same with ``(1,1)`` ids/positions and ``(1,1,49152)`` logits
+- ``weights.bin``: ONE weights file both modules take (MODEL_LOAD once; both
+  signatures carry its digest)
+- ``metadata.json``: both modules' io tables and ``io_reserve``, the KV
+  layout, the model config and a pointer to the GGUF the tokenizer comes from.
+
+Weights stay quantized exactly as stored in the GGUF: Q4_1 blocks (f16 d,
+f16 m, 32 nibbles) for every linear layer and Q8_0 blocks (f16 d, 32 int8)
+for the tied embedding / LM head.  They are only *repacked* (same bits): the
+nibbles of a block go into a ``(K/32, 16, N)`` uint8 array and the scales into
+``(K/32, N)`` float16 arrays, so that the GEMV kernels stream 64 output rows
+at a time with contiguous vector loads.  q/k/v are concatenated into one
+``(576 -> 960)`` weight and gate/up into one ``(576 -> 3072)`` weight.
+
+Every operator is a hand-scheduled TIR kernel (fused dequantize-GEMV, RMSNorm,
+RoPE + in-place KV append, causal GQA attention over the cache, SiLU-gate)
+compiled into the module: no default-legalized TVM codegen on the hot path.
+Accumulation is float32 with the exact dequantized weight values (d·q + m), so
+the float32 numpy reference over ``gguf.quants.dequantize`` is the oracle.
+
+KV in place: the KV append is ``call_tir_inplace`` on the KV inputs and the
+entry returns those very tensors as its KV outputs.  Driven KV_RESIDENT with
+the KV inputs at the offsets the device packs KV outputs to (tensor i at
+``i × 196,608`` from the KV base), the device sees that each output already
+is its destination and copies nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dspx.compiler.module import (IO_META_NAME, SIGNATURE_NAME, Signature, TensorSpec, export_module,
+                                  make_io_meta, write_metadata, write_weights)
+from dspx.protocol import IoMeta, align
+
+CONTEXT = 256
+CHUNK = 64
+TN = 64  # output rows per GEMV tile (4 AVX-512 vectors)
+PREFILL_FILE = "prefill.so"
+DECODE_FILE = "decode.so"
+WEIGHTS_FILE = "weights.bin"
+METADATA_FILE = "metadata.json"
+FORMAT = "dspx-llm/1"
+
+
+from dspx.llm import LLMError  # noqa: E402  (needs the llm extra: gguf, tokenizers)
+
+
+class LLMCompileError(LLMError):
+    """The GGUF cannot be compiled for the device; the message says why."""
+
+
+# ---------------------------------------------------------------- model shape
+
+@dataclass(frozen=True)
+class Dims:
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    theta: float
+    eps: float
+    context: int = CONTEXT
+    chunk: int = CHUNK
+
+    @property
+    def qkv(self) -> int:
+        return (self.n_heads + 2 * self.n_kv) * self.head_dim
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return (1, self.n_kv, self.context, self.head_dim)
+
+    @property
+    def kv_bytes(self) -> int:
+        return int(np.prod(self.kv_shape)) * 4
+
+
+def dims_of(config, context: int = CONTEXT, chunk: int = CHUNK) -> Dims:
+    c = config
+    d = Dims(c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_size, c.vocab_size,
+             float(c.rope_theta), float(c.rms_eps), context, chunk)
+    problems = []
+    if d.head_dim * d.n_heads != d.dim:
+        problems.append(f"head_dim {d.head_dim} × heads {d.n_heads} != hidden {d.dim}")
+    if d.head_dim != 64:
+        problems.append(f"head_dim {d.head_dim} (the attention kernel is written for 64)")
+    if c.rope_dim != d.head_dim:
+        problems.append(f"partial RoPE ({c.rope_dim} of {d.head_dim} dims)")
+    for name, v in (("hidden", d.dim), ("ffn", d.ffn)):
+        if v % 32:
+            problems.append(f"{name} size {v} is not a multiple of 32 (quantization block)")
+    for name, v in (("q rows", d.dim), ("k/v rows", d.n_kv * d.head_dim), ("ffn", d.ffn), ("vocab", d.vocab)):
+        if v % TN:
+            problems.append(f"{name} {v} is not a multiple of the {TN}-row GEMV tile")
+    if chunk % 4:
+        problems.append(f"prefill chunk {chunk} is not a multiple of 4")
+    if context % chunk:
+        problems.append(f"context {context} is not a multiple of the prefill chunk {chunk}")
+    if problems:
+        raise LLMCompileError("model shape not supported by the device kernels: " + "; ".join(problems))
+    return d
+
+
+# ---------------------------------------------------------------- weights (repacked GGUF blocks)
+
+def _q4_1(t) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 raw (N, K/32*20) -> tile-major q (N/TN, K/32, 16, TN) uint8 and
+    d, m (N/TN, K/32, TN) float16: one GEMV tile's bytes are contiguous."""
+    n = t.shape[0]
+    blocks = np.ascontiguousarray(t.raw).reshape(n // TN, TN, -1, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # (N/TN, TN, NB)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    q = blocks[..., 4:20]  # (N/TN, TN, NB, 16)
+    return (np.ascontiguousarray(q.transpose(0, 2, 3, 1)), np.ascontiguousarray(d.transpose(0, 2, 1)),
+            np.ascontiguousarray(m.transpose(0, 2, 1)))
+
+
+def _q8_0(t) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 raw (N, K/32*34) -> tile-major q (N/TN, K/32, 32, TN) int8, d (N/TN, K/32, TN) float16."""
+    n = t.shape[0]
+    blocks = np.ascontiguousarray(t.raw).reshape(n // TN, TN, -1, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    q = blocks[..., 2:34].view(np.int8)
+    return np.ascontiguousarray(q.transpose(0, 2, 3, 1)), np.ascontiguousarray(d.transpose(0, 2, 1))
+
+
+def _f32(t) -> np.ndarray:
+    if t.type_name not in ("F32", "F16"):
+        raise LLMCompileError(f"tensor {t.name} is {t.type_name}; norms must be F32 or F16")
+    return np.ascontiguousarray(t.dequantize().astype(np.float32))
+
+
+def _need(t, kind: str):
+    if t.type_name != kind:
+        raise LLMCompileError(f"tensor {t.name} is stored as {t.type_name}; the device kernels take {kind} "
+                              f"(this compiler supports SmolLM2-style GGUFs: Q4_1 linear layers, Q8_0 embedding)")
+
+
+def rope_tables(d: Dims) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin (context, head_dim/2), computed in float64 then rounded (as the reference)."""
+    inv = d.theta ** (-np.arange(0, d.head_dim, 2, dtype=np.float64) / d.head_dim)
+    ang = np.arange(d.context, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def pack_weights(model, d: Dims, progress=None) -> list[tuple[str, np.ndarray]]:
+    """The weights file's tensors, in the order both entries take them."""
+    out: list[tuple[str, np.ndarray]] = []
+    cos, sin = rope_tables(d)
+    out += [("rope.cos", cos), ("rope.sin", sin)]
+    emb = model.raw("token_embd.weight")
+    _need(emb, "Q8_0")
+    eq, ed = _q8_0(emb)
+    out += [("token_embd.q", eq), ("token_embd.d", ed)]
+    if "output.weight" in model:
+        head = model.raw("output.weight")
+        _need(head, "Q8_0")
+        hq, hd = _q8_0(head)
+        out += [("output.q", hq), ("output.d", hd)]
+    out.append(("output_norm", _f32(model.raw("output_norm.weight"))))
+    for i in range(d.n_layers):
+        b = f"blk.{i}."
+        ts = {k: model.raw(b + k + ".weight") for k in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                           "ffn_gate", "ffn_up", "ffn_down")}
+        for t in ts.values():
+            _need(t, "Q4_1")
+        out.append((b + "attn_norm", _f32(model.raw(b + "attn_norm.weight"))))
+        parts = [_q4_1(ts[k]) for k in ("attn_q", "attn_k", "attn_v")]
+        for j, suffix in enumerate("qdm"):
+            out.append((b + "qkv." + suffix, np.ascontiguousarray(np.concatenate([p[j] for p in parts], axis=0))))
+        for j, a in enumerate(_q4_1(ts["attn_output"])):
+            out.append((b + "o." + "qdm"[j], a))
+        out.append((b + "ffn_norm", _f32(model.raw(b + "ffn_norm.weight"))))
+        parts = [_q4_1(ts[k]) for k in ("ffn_gate", "ffn_up")]
+        for j, suffix in enumerate("qdm"):
+            out.append((b + "gate_up." + suffix, np.ascontiguousarray(np.concatenate([p[j] for p in parts], axis=0))))
+        for j, a in enumerate(_q4_1(ts["ffn_down"])):
+            out.append((b + "down." + "qdm"[j], a))
+        if progress:
+            progress()
+    return out
+
+
+def dequantized_weights(named: list[tuple[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Float32 (out, in) matrices from the packed tensors (for tests: must equal
+    ``gguf.quants.dequantize`` of the original blocks)."""
+    w = dict(named)
+    res = {}
+    for key in [k[:-2] for k in w if k.endswith(".q")]:
+        q = w[key + ".q"]
+        dd = w[key + ".d"].astype(np.float32)
+        if q.dtype == np.int8:  # Q8_0 (N/TN, NB, 32, TN)
+            vals = q.astype(np.float32) * dd[:, :, None, :]
+        else:  # Q4_1 (N/TN, NB, 16, TN)
+            lo, hi = (q & 15).astype(np.float32), (q >> 4).astype(np.float32)
+            vals = (np.concatenate([lo, hi], axis=2) * dd[:, :, None, :]
+                    + w[key + ".m"].astype(np.float32)[:, :, None, :])
+        nt, nb, _, tn = vals.shape
+        res[key] = np.ascontiguousarray(vals.transpose(0, 3, 1, 2).reshape(nt * tn, nb * 32))
+    return res
+
+
+# ---------------------------------------------------------------- TIR kernels
+
+def _kernels(d: Dims, M: int, parallel_gemv: bool):
+    """Hand-scheduled TIR for one entry (M = rows per call: 64 prefill, 1 decode)."""
+    from tvm.script import tirx as T
+
+    D, H, HKV, HD, C = d.dim, d.n_heads, d.n_kv, d.head_dim, d.context
+    assert HD == 64, "the attention kernel's q·k is written for head_dim 64"
+    QKV, G, HALF = d.qkv, d.n_heads // d.n_kv, d.head_dim // 2
+    eps = float(np.float32(d.eps))
+    scale = float(np.float32(1.0 / np.sqrt(HD)))
+    ks = {}
+
+    def embed(V):
+        NB = D // 32
+
+        @T.prim_func(private=True)
+        def f(ids: T.Buffer((1, M), "int64"), q: T.Buffer((V // TN, NB, 32, TN), "int8"), dd: T.Buffer((V // TN, NB, TN), "float16"),
+              x: T.Buffer((M, D), "float32")):
+            T.func_attr({"tir.noalias": True})
+            for r in range(M):
+                tok = T.Cast("int32", T.max(T.min(ids[0, r], T.int64(V - 1)), T.int64(0)))
+                for b in range(NB):
+                    for j in range(32):
+                        x[r, b * 32 + j] = (T.Cast("float32", q[tok // TN, b, j, tok % TN])
+                                            * T.Cast("float32", dd[tok // TN, b, tok % TN]))
+        return f
+
+    @T.prim_func(private=True)
+    def rmsnorm(x: T.Buffer((M, D), "float32"), w: T.Buffer((D,), "float32"), y: T.Buffer((M, D), "float32")):
+        T.func_attr({"tir.noalias": True})
+        for r in range(M):
+            acc = T.alloc_buffer((1,), "float32", scope="local")
+            acc[0] = T.float32(0)
+            for i in range(D):
+                acc[0] = acc[0] + x[r, i] * x[r, i]
+            inv = T.float32(1) / T.sqrt(acc[0] / T.float32(D) + T.float32(eps))
+            for i in range(D):
+                y[r, i] = x[r, i] * inv * w[i]
+    ks["rmsnorm"] = rmsnorm
+
+    def gemv_q4_1(K, N, residual: bool):
+        NB = K // 32
+        loop = T.parallel if parallel_gemv else T.serial
+        if M == 1:
+            @T.prim_func(private=True)
+            def f(x: T.Buffer((1, K), "float32"), q: T.Buffer((N // TN, NB, 16, TN), "uint8"),
+                  dd: T.Buffer((N // TN, NB, TN), "float16"), mm: T.Buffer((N // TN, NB, TN), "float16"),
+                  res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+                T.func_attr({"tir.noalias": True})
+                xs = T.alloc_buffer((NB,), "float32")
+                for b in range(NB):
+                    xs[b] = T.float32(0)
+                    for j in range(32):
+                        xs[b] = xs[b] + x[0, b * 32 + j]
+                for no in loop(N // TN):
+                    acc = T.alloc_buffer((TN,), "float32", scope="local")
+                    s = T.alloc_buffer((2, TN), "float32", scope="local")
+                    for ni in T.vectorized(TN):
+                        acc[ni] = T.float32(0)
+                    for b in range(NB):
+                        # low and high nibbles in separate accumulators: 8 independent
+                        # FMA chains per tile instead of 4 (latency, not throughput, bound)
+                        for h in T.unroll(2):
+                            for ni in T.vectorized(TN):
+                                s[h, ni] = T.float32(0)
+                        for j in range(16):
+                            for ni in T.vectorized(TN):
+                                s[0, ni] = s[0, ni] + (T.Cast("float32", T.bitwise_and(q[no, b, j, ni], T.uint8(15)))
+                                                       * x[0, b * 32 + j])
+                            for ni in T.vectorized(TN):
+                                s[1, ni] = s[1, ni] + (T.Cast("float32", T.shift_right(q[no, b, j, ni], T.uint8(4)))
+                                                       * x[0, b * 32 + 16 + j])
+                        for ni in T.vectorized(TN):
+                            acc[ni] = (acc[ni] + T.Cast("float32", dd[no, b, ni]) * (s[0, ni] + s[1, ni])
+                                       + T.Cast("float32", mm[no, b, ni]) * xs[b])
+                    for ni in T.vectorized(TN):
+                        y[0, no * TN + ni] = res[0, no * TN + ni] + acc[ni]
+        else:
+            @T.prim_func(private=True)
+            def f(x: T.Buffer((M, K), "float32"), q: T.Buffer((N // TN, NB, 16, TN), "uint8"),
+                  dd: T.Buffer((N // TN, NB, TN), "float16"), mm: T.Buffer((N // TN, NB, TN), "float16"),
+                  res: T.Buffer((M, N), "float32"), y: T.Buffer((M, N), "float32")):
+                T.func_attr({"tir.noalias": True})
+                for no in T.parallel(N // TN):
+                    w = T.alloc_buffer((32, TN), "float32", scope="local")
+                    acc = T.alloc_buffer((M, TN), "float32", scope="local")
+                    a4 = T.alloc_buffer((4, TN), "float32", scope="local")
+                    for r in range(M):
+                        for ni in T.vectorized(TN):
+                            acc[r, ni] = T.float32(0)
+                    for b in range(NB):
+                        for j in range(16):
+                            for ni in T.vectorized(TN):
+                                w[j, ni] = (T.Cast("float32", T.bitwise_and(q[no, b, j, ni], T.uint8(15)))
+                                            * T.Cast("float32", dd[no, b, ni]) + T.Cast("float32", mm[no, b, ni]))
+                                w[j + 16, ni] = (T.Cast("float32", T.shift_right(q[no, b, j, ni], T.uint8(4)))
+                                                 * T.Cast("float32", dd[no, b, ni]) + T.Cast("float32", mm[no, b, ni]))
+                        # 4 rows x 64 outputs = 16 vector accumulators held in registers
+                        for ro in range(M // 4):
+                            for ri in T.unroll(4):
+                                for ni in T.vectorized(TN):
+                                    a4[ri, ni] = acc[ro * 4 + ri, ni]
+                            for k in range(32):
+                                for ri in T.unroll(4):
+                                    for ni in T.vectorized(TN):
+                                        a4[ri, ni] = a4[ri, ni] + w[k, ni] * x[ro * 4 + ri, b * 32 + k]
+                            for ri in T.unroll(4):
+                                for ni in T.vectorized(TN):
+                                    acc[ro * 4 + ri, ni] = a4[ri, ni]
+                    for r in range(M):
+                        for ni in T.vectorized(TN):
+                            y[r, no * TN + ni] = res[r, no * TN + ni] + acc[r, ni]
+        return f
+
+    def gemv_q8_0(K, N):
+        NB = K // 32
+        # Decode runs serial by default: on 2 CPUs shared with the host and the
+        # device's front process, a parallel LM head was no faster (TVM's
+        # workers spin on the CPU the IPC needs).
+        loop = T.parallel if parallel_gemv else T.serial
+        if M == 1:
+            @T.prim_func(private=True)
+            def f(x: T.Buffer((M, K), "float32"), q: T.Buffer((N // TN, NB, 32, TN), "int8"),
+                  dd: T.Buffer((N // TN, NB, TN), "float16"), y: T.Buffer((1, M, N), "float32")):
+                T.func_attr({"tir.noalias": True})
+                for no in loop(N // TN):
+                    acc = T.alloc_buffer((TN,), "float32", scope="local")
+                    s = T.alloc_buffer((2, TN), "float32", scope="local")
+                    for ni in T.vectorized(TN):
+                        acc[ni] = T.float32(0)
+                    for b in range(NB):
+                        for h in T.unroll(2):
+                            for ni in T.vectorized(TN):
+                                s[h, ni] = T.float32(0)
+                        for j in range(16):
+                            for h in T.unroll(2):
+                                for ni in T.vectorized(TN):
+                                    s[h, ni] = s[h, ni] + T.Cast("float32", q[no, b, 2 * j + h, ni]) * x[0, b * 32 + 2 * j + h]
+                        for ni in T.vectorized(TN):
+                            acc[ni] = acc[ni] + T.Cast("float32", dd[no, b, ni]) * (s[0, ni] + s[1, ni])
+                    for ni in T.vectorized(TN):
+                        y[0, 0, no * TN + ni] = acc[ni]
+        else:
+            @T.prim_func(private=True)
+            def f(x: T.Buffer((M, K), "float32"), q: T.Buffer((N // TN, NB, 32, TN), "int8"),
+                  dd: T.Buffer((N // TN, NB, TN), "float16"), y: T.Buffer((1, M, N), "float32")):
+                T.func_attr({"tir.noalias": True})
+                for no in T.parallel(N // TN):
+                    w = T.alloc_buffer((32, TN), "float32", scope="local")
+                    acc = T.alloc_buffer((M, TN), "float32", scope="local")
+                    a4 = T.alloc_buffer((4, TN), "float32", scope="local")
+                    for r in range(M):
+                        for ni in T.vectorized(TN):
+                            acc[r, ni] = T.float32(0)
+                    for b in range(NB):
+                        for j in range(32):
+                            for ni in T.vectorized(TN):
+                                w[j, ni] = T.Cast("float32", q[no, b, j, ni]) * T.Cast("float32", dd[no, b, ni])
+                        for ro in range(M // 4):
+                            for ri in T.unroll(4):
+                                for ni in T.vectorized(TN):
+                                    a4[ri, ni] = acc[ro * 4 + ri, ni]
+                            for k in range(32):
+                                for ri in T.unroll(4):
+                                    for ni in T.vectorized(TN):
+                                        a4[ri, ni] = a4[ri, ni] + w[k, ni] * x[ro * 4 + ri, b * 32 + k]
+                            for ri in T.unroll(4):
+                                for ni in T.vectorized(TN):
+                                    acc[ro * 4 + ri, ni] = a4[ri, ni]
+                    for r in range(M):
+                        for ni in T.vectorized(TN):
+                            y[0, r, no * TN + ni] = acc[r, ni]
+        return f
+
+    @T.prim_func(private=True)
+    def kv_write(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
+                 cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
+                 kc: T.Buffer((1, HKV, C, HD), "float32"), vc: T.Buffer((1, HKV, C, HD), "float32")):
+        T.func_attr({"tir.noalias": True})
+        for r in range(M):
+            p = T.Cast("int32", pos[0, r])
+            if p >= 0 and p < C:
+                for g in range(HKV):
+                    for i in range(HALF):
+                        kc[0, g, p, 2 * i] = (qkv[r, D + g * HD + 2 * i] * cos[p, i]
+                                              - qkv[r, D + g * HD + 2 * i + 1] * sin[p, i])
+                        kc[0, g, p, 2 * i + 1] = (qkv[r, D + g * HD + 2 * i] * sin[p, i]
+                                                  + qkv[r, D + g * HD + 2 * i + 1] * cos[p, i])
+                    for e in range(HD):
+                        vc[0, g, p, e] = qkv[r, D + HKV * HD + g * HD + e]
+    ks["kv_write"] = kv_write
+
+    rows = T.parallel if M > 1 else T.serial
+
+    @T.prim_func(private=True)
+    def attention(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
+                  cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
+                  kc: T.Buffer((1, HKV, C, HD), "float32"), vc: T.Buffer((1, HKV, C, HD), "float32"),
+                  out: T.Buffer((M, D), "float32")):
+        T.func_attr({"tir.noalias": True})
+        for rh in rows(M * H):
+            qr = T.alloc_buffer((HD,), "float32", scope="local")
+            sc = T.alloc_buffer((C,), "float32", scope="local")
+            o = T.alloc_buffer((HD,), "float32", scope="local")
+            st = T.alloc_buffer((3,), "float32", scope="local")
+            pp = T.alloc_buffer((C, 16), "float32", scope="local")
+            r = rh // H
+            h = rh % H
+            g = h // G
+            p = T.Cast("int32", pos[0, r])
+            if p >= 0 and p < C:
+                for i in range(HALF):
+                    qr[2 * i] = qkv[r, h * HD + 2 * i] * cos[p, i] - qkv[r, h * HD + 2 * i + 1] * sin[p, i]
+                    qr[2 * i + 1] = qkv[r, h * HD + 2 * i] * sin[p, i] + qkv[r, h * HD + 2 * i + 1] * cos[p, i]
+                st[0] = T.float32(-3.0e38)
+                # q·k for every cached position: 16-lane partial products first
+                # (independent across t, so they pipeline), then the lane sums.
+                for t in range(p + 1):
+                    for e in T.vectorized(16):
+                        pp[t, e] = (qr[e] * kc[0, g, t, e] + qr[16 + e] * kc[0, g, t, 16 + e]
+                                    + qr[32 + e] * kc[0, g, t, 32 + e] + qr[48 + e] * kc[0, g, t, 48 + e])
+                for t in range(p + 1):
+                    st[1] = T.float32(0)
+                    for e in range(16):
+                        st[1] = st[1] + pp[t, e]
+                    sc[t] = st[1] * T.float32(scale)
+                    st[0] = T.max(st[0], sc[t])
+                st[2] = T.float32(0)
+                for t in range(p + 1):
+                    sc[t] = T.exp(sc[t] - st[0])
+                    st[2] = st[2] + sc[t]
+                for e in T.vectorized(HD):
+                    o[e] = T.float32(0)
+                for t in range(p + 1):
+                    for e in T.vectorized(HD):
+                        o[e] = o[e] + sc[t] * vc[0, g, t, e]
+                for e in range(HD):
+                    out[r, h * HD + e] = o[e] / st[2]
+            else:
+                for e in range(HD):
+                    out[r, h * HD + e] = T.float32(0)
+    ks["attention"] = attention
+
+    F = d.ffn
+
+    @T.prim_func(private=True)
+    def silu_mul(gu: T.Buffer((M, 2 * F), "float32"), y: T.Buffer((M, F), "float32")):
+        T.func_attr({"tir.noalias": True})
+        for r in range(M):
+            for i in range(F):
+                y[r, i] = gu[r, i] / (T.float32(1) + T.exp(T.float32(0) - gu[r, i])) * gu[r, F + i]
+    ks["silu_mul"] = silu_mul
+
+    ks["embed"] = embed(d.vocab)
+    ks["gemv_qkv"] = gemv_q4_1(D, QKV, False)
+    ks["gemv_o"] = gemv_q4_1(D, D, True)
+    ks["gemv_gate_up"] = gemv_q4_1(D, 2 * F, False)
+    ks["gemv_down"] = gemv_q4_1(F, D, True)
+    ks["lm_head"] = gemv_q8_0(D, d.vocab)
+    return ks
+
+
+# ---------------------------------------------------------------- relax entry
+
+def _entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv: bool):
+    """IRModule whose ``main`` is one forward pass over M tokens."""
+    import tvm
+    from tvm import relax
+
+    def ty(shape, dtype):
+        return relax.TensorType(shape, dtype)
+
+    ks = _kernels(d, M, parallel_gemv)
+    bb = relax.BlockBuilder()
+    gv = {name: bb.add_func(f, name) for name, f in ks.items()}
+    ids = relax.Var("ids", ty((1, M), "int64"))
+    pos = relax.Var("positions", ty((1, M), "int64"))
+    kv = []
+    for i in range(d.n_layers):
+        kv += [relax.Var(f"k{i}", ty(d.kv_shape, "float32")), relax.Var(f"v{i}", ty(d.kv_shape, "float32"))]
+    wv = {n: relax.Var(n.replace(".", "_"), ty(a.shape, str(a.dtype))) for n, a in weights}
+    params = [ids, pos] + kv + list(wv.values())
+    xd = ty((M, d.dim), "float32")
+    with bb.function("main", params):
+        with bb.dataflow():
+            x = bb.emit(relax.call_tir(gv["embed"], [ids, wv["token_embd.q"], wv["token_embd.d"]], xd))
+            new_kv = []
+            for i in range(d.n_layers):
+                b = f"blk.{i}."
+                h = bb.emit(relax.call_tir(gv["rmsnorm"], [x, wv[b + "attn_norm"]], xd))
+                qkv = bb.emit(relax.call_tir(gv["gemv_qkv"], [h, wv[b + "qkv.q"], wv[b + "qkv.d"], wv[b + "qkv.m"],
+                                                                zeros_of(bb, relax, M, d.qkv, "zq")],
+                                             ty((M, d.qkv), "float32")))
+                kvo = bb.emit(relax.call_tir_inplace(
+                    gv["kv_write"], [qkv, pos, wv["rope.cos"], wv["rope.sin"], kv[2 * i], kv[2 * i + 1]],
+                    [4, 5], [ty(d.kv_shape, "float32"), ty(d.kv_shape, "float32")]))
+                kc = bb.emit(relax.TupleGetItem(kvo, 0))
+                vc = bb.emit(relax.TupleGetItem(kvo, 1))
+                new_kv += [kc, vc]
+                att = bb.emit(relax.call_tir(gv["attention"], [qkv, pos, wv["rope.cos"], wv["rope.sin"], kc, vc], xd))
+                x = bb.emit(relax.call_tir(gv["gemv_o"], [att, wv[b + "o.q"], wv[b + "o.d"], wv[b + "o.m"], x], xd))
+                h = bb.emit(relax.call_tir(gv["rmsnorm"], [x, wv[b + "ffn_norm"]], xd))
+                gu = bb.emit(relax.call_tir(gv["gemv_gate_up"], [h, wv[b + "gate_up.q"], wv[b + "gate_up.d"],
+                                                                    wv[b + "gate_up.m"],
+                                                                    zeros_of(bb, relax, M, 2 * d.ffn, "zf")],
+                                            ty((M, 2 * d.ffn), "float32")))
+                a = bb.emit(relax.call_tir(gv["silu_mul"], [gu], ty((M, d.ffn), "float32")))
+                x = bb.emit(relax.call_tir(gv["gemv_down"], [a, wv[b + "down.q"], wv[b + "down.d"], wv[b + "down.m"], x],
+                                           xd))
+            h = bb.emit(relax.call_tir(gv["rmsnorm"], [x, wv["output_norm"]], xd))
+            hq, hd = ("output.q", "output.d") if "output.q" in wv else ("token_embd.q", "token_embd.d")
+            logits = bb.emit(relax.call_tir(gv["lm_head"], [h, wv[hq], wv[hd]], ty((1, M, d.vocab), "float32")))
+            out = bb.emit_output(relax.Tuple([logits] + new_kv))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def zeros_of(bb, relax, M, N, name):
+    """A zero residual for the GEMVs without one (a module constant, 4·M·N bytes)."""
+    return relax.const(np.zeros((M, N), np.float32))
+
+
+# ---------------------------------------------------------------- compile
+
+def _llm_pipeline(target, record: dict):
+    """The CPU pipeline minus legalization and fusion (every call is already a
+    scheduled TIR kernel; TVM's op-pattern analysis wants block-form TIR), with
+    the same workspace probe as the ONNX compiler."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.backend.cpu_generic import pipeline as cpu_generic
+    from dspx.compiler.onnx import _pipeline
+
+    probe = [p for p in _pipeline(target, record).passes if p.info.name == "dspx.RecordWorkspace"]
+    finalize = cpu_generic.finalize_passes(target)
+    passes = ([relax.transform.ToNonDataflow(), relax.transform.RemovePurityChecking(),
+               relax.transform.CallTIRRewrite()] + finalize[:1] + probe + finalize[1:])
+    return tvm.transform.Sequential(passes, name="dspx.llm_pipeline")
+
+
+def _signature(d: Dims, M: int, weights, digest) -> Signature:
+    kv_in = []
+    for i in range(d.n_layers):
+        kv_in += [TensorSpec(f"k{i}", d.kv_shape, "float32"), TensorSpec(f"v{i}", d.kv_shape, "float32")]
+    inputs = [TensorSpec("ids", (1, M), "int64"), TensorSpec("positions", (1, M), "int64")] + kv_in
+    outputs = [TensorSpec("logits", (1, M, d.vocab), "float32")] + [
+        TensorSpec(t.name + "_out", t.shape, t.dtype) for t in kv_in]
+    return Signature(entry="main", inputs=inputs, outputs=outputs, kernel_imports=[], workspace_bytes=0,
+                     weights="separate", num_weights=len(weights), weights_digest=digest)
+
+
+def kv_resident_reserve(sig: Signature) -> dict:
+    """What a KV-resident call really uses: the non-KV inputs (KV inputs live in
+    the KV region, but their descriptors still sit in input_buf) and only the
+    first output (logits)."""
+    n_in = len(sig.inputs)
+    return {"input_bytes": align(80 * n_in, 64) + sum(align(t.nbytes, 64) for t in sig.inputs[:2]),
+            "output_bytes": IoMeta.side_bytes([sig.outputs[0].nbytes])}
+
+
+def compiler_digest() -> str:
+    """Digest of this compiler's source and TVM's version (cache key)."""
+    import tvm
+    h = hashlib.sha256(tvm.__version__.encode())
+    for f in ("llm.py", "module.py"):
+        h.update(Path(__file__).with_name(f).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def gguf_identity(path: Path) -> dict:
+    st = path.stat()
+    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, parallel_decode_gemv: bool = False,
+                context: int = CONTEXT, chunk: int = CHUNK) -> dict:
+    """Compile a Llama GGUF into ``outdir`` (prefill.so, decode.so, weights.bin,
+    metadata.json); returns the metadata (plus ``"timings"``)."""
+    from dspx.compiler.onnx import _Progress, make_target
+    from dspx.llm import read_gguf
+
+    outdir = Path(outdir)
+    prog = _Progress(progress)
+    t_all = time.perf_counter()
+    model = read_gguf(gguf_path, progress=progress)  # raises GGUFNotFoundError / UnsupportedArchitectureError
+    d = dims_of(model.config, context, chunk)
+    with prog.stage("pack", f"repack {model.path.name} quantized blocks ({len(model.tensors)} tensors)"):
+        weights = pack_weights(model, d)
+    import tvm
+
+    target_dict = make_target()
+    target = tvm.target.Target(target_dict)
+    outdir.mkdir(parents=True, exist_ok=True)
+    with prog.stage("weights", f"write {WEIGHTS_FILE}"):
+        digest = write_weights(outdir / WEIGHTS_FILE, weights)
+    entries = {}
+    for name, M, fname in (("prefill", chunk, PREFILL_FILE), ("decode", 1, DECODE_FILE)):
+        with prog.stage(f"build_{name}", f"build {name} (M={M}) for {target_dict['mcpu']}"):
+            mod = _entry(d, M, weights, parallel_decode_gemv if M == 1 else True)
+            record: dict = {}
+            with target:
+                mod = _llm_pipeline(target, record)(mod)
+            ex = tvm.compile(mod, target, relax_pipeline=None)
+        with prog.stage(f"export_{name}", f"export {outdir / fname}"):
+            sig = _signature(d, M, weights, digest)
+            sig.workspace_bytes = record.get("workspace_bytes", 0)
+            io_meta = make_io_meta(sig.inputs, sig.outputs)
+            export_module(ex, outdir / fname, {IO_META_NAME: io_meta.encode(), SIGNATURE_NAME: sig.encode()})
+            reserve = kv_resident_reserve(sig)
+            meta = write_metadata(outdir / f"{name}.json", sig, io_meta, target=target_dict,
+                                  tvm_version=tvm.__version__, module_file=fname, weights_file=WEIGHTS_FILE,
+                                  io_reserve=reserve)
+            entries[name] = meta
+    kv_tensors = []
+    for i in range(d.n_layers):
+        for kind in "kv":
+            kv_tensors.append({"name": f"{kind}{i}", "layer": i, "kind": kind,
+                               "offset": len(kv_tensors) * align(d.kv_bytes, 64)})
+    meta = {
+        "format": FORMAT,
+        "model": {"name": model.config.name, "architecture": "llama", **asdict(d)},
+        "gguf": gguf_identity(model.path),
+        "tokenizer": {"source": "gguf", "gguf": str(model.path.resolve()),
+                      "eos_id": int(model.metadata("tokenizer.ggml.eos_token_id", 2)),
+                      "chat_template": "tokenizer.chat_template"},
+        "context": d.context, "prefill_chunk": d.chunk,
+        "weights": {"file": WEIGHTS_FILE, "digest": digest, "count": len(weights),
+                    "bytes": (outdir / WEIGHTS_FILE).stat().st_size,
+                    "storage": "GGUF blocks repacked: Q4_1 linear layers (f16 d, f16 m, 4-bit q), "
+                               "Q8_0 embedding/LM head (f16 d, int8 q), F32 norms, F32 RoPE tables"},
+        "kv": {"order": "k0, v0, k1, v1, ...", "shape": list(d.kv_shape), "dtype": "float32",
+               "tensor_bytes": d.kv_bytes, "count": len(kv_tensors),
+               "total_bytes": align(d.kv_bytes, 64) * len(kv_tensors),
+               "layout": "KV region base + i * tensor_bytes (the device packs KV outputs there, 64-aligned)",
+               "tensors": kv_tensors, "k_rope": "pairwise (GGUF row order), applied before caching"},
+        "modules": entries,
+        "compiler": {"digest": compiler_digest(), "tvm_version": tvm.__version__, "target": target_dict},
+    }
+    (outdir / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    meta["timings"] = dict(prog.times, total=time.perf_counter() - t_all)
+    return meta
+
+
+def default_cache_dir() -> Path:
+    """``$DSPX_CACHE``, else the checkout's ignored .cache/dspx, else ~/.cache/dspx."""
+    if os.environ.get("DSPX_CACHE"):
+        return Path(os.environ["DSPX_CACHE"])
+    root = Path(__file__).resolve().parents[3]
+    if (root / "pyproject.toml").exists():
+        return root / ".cache" / "dspx"
+    return Path.home() / ".cache" / "dspx"
+
+
+def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True) -> Path:
+    """A compiled copy of ``gguf_path`` under the cache (compiled once per
+    compiler digest and GGUF identity)."""
+    from dspx.llm import find_default_gguf
+
+    path = find_default_gguf() if gguf_path is None else Path(gguf_path)
+    if not path.is_file():
+        from dspx.llm import GGUFNotFoundError
+        raise GGUFNotFoundError(f"GGUF file not found: {path}")
+    ident = gguf_identity(path)
+    key = hashlib.sha256((compiler_digest() + json.dumps(ident, sort_keys=True)).encode()).hexdigest()[:16]
+    root = Path(cache_dir or default_cache_dir()) / "llm"
+    out = root / key
+    if not (out / METADATA_FILE).exists():
+        import shutil
+        for stale in root.glob("*"):  # builds by an older compiler (~95 MB each)
+            try:
+                old = json.loads((stale / METADATA_FILE).read_text())["compiler"]["digest"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if old != compiler_digest():
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp = root / (key + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        compile_llm(path, tmp, progress=progress)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    return out

