@@ -3,7 +3,9 @@
 1. start a private simulated device, ping it, show its status;
 2. compile ResNet-18 (built here from a fixed seed; cached under .cache/dspx/)
    and run it on the device, checking the result against onnxruntime;
-3. run the softmax custom operator without and with ping-pong tiling.
+3. run the softmax custom operator without and with ping-pong tiling;
+4. compile SmolLM2-135M (cached) and answer a short question on the device,
+   the KV cache staying in the device's KV region between tokens.
 """
 from __future__ import annotations
 
@@ -77,6 +79,10 @@ def main() -> int:
         t = ucp.run(SOFTMAX_CMD, param, out_t)
         same = np.max(np.abs(out_d.view(np.float32) - out_t.view(np.float32)) / out_d.view(np.float32)) <= 1e-6
         print(f"direct {d.cycles:,} cycles, ping-pong {t.cycles:,} cycles: {'same' if same else 'DIFFERENT'}")
+
+    step("SmolLM2-135M on the device (compiled once, cached)")
+    from dspx.host.llm import demo_generate
+    demo_generate("What is the capital of France?", max_tokens=48)
     return 0
 
 
