@@ -17,6 +17,9 @@ import time
 
 from .protocol import MAX_MSG
 
+# Plain ints: socket's IntFlag members go through enum machinery on every use.
+_TRUNC = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
+_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 MAX_FDS = 4  # a protocol message carries at most one dmabuf; a few more are tolerated and closed
 
 
@@ -106,7 +109,7 @@ class Endpoint:
         self.sock = sock
         self.max_msg = max_msg
         self._cmsg_space = socket.CMSG_SPACE(max_fds * array.array("i").itemsize)
-        self._rbuf = bytearray(max_msg + 1)
+        self._rbuf = memoryview(bytearray(max_msg + 1))
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLRDHUP)
 
@@ -137,13 +140,12 @@ class Endpoint:
     def recv_ready(self, bufsize: int | None = None):
         size = bufsize or self.max_msg + 1
         if len(self._rbuf) < size:
-            self._rbuf = bytearray(size)
+            self._rbuf = memoryview(bytearray(size))
         try:
             # Into a buffer kept for the endpoint's life: a fresh 1 MiB bytes
             # object per internal job message cost an mmap/munmap each time.
-            n, anc, flags, _ = self.sock.recvmsg_into([memoryview(self._rbuf)[:size]], self._cmsg_space,
-                                                      socket.MSG_CMSG_CLOEXEC)
-            data = bytes(self._rbuf[:n])
+            n, anc, flags, _ = self.sock.recvmsg_into((self._rbuf[:size],), self._cmsg_space, _CLOEXEC)
+            data = self._rbuf[:n].tobytes()
         except (ConnectionResetError, BrokenPipeError):
             raise PeerClosed("peer reset the channel") from None
         except OSError as e:
@@ -156,7 +158,7 @@ class Endpoint:
                 a = array.array("i")
                 a.frombytes(cdata[: len(cdata) - (len(cdata) % a.itemsize)])
                 fds.extend(a)
-        truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+        truncated = bool(flags & _TRUNC)
         if not data and not fds and not truncated and self._hung_up():
             raise PeerClosed("peer closed the channel")
         return data, fds, truncated

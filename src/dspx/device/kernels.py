@@ -811,23 +811,32 @@ def configure_gemv(exact: bool) -> None:
 
 
 def ort_session_options():
-    """SessionOptions on the process-wide onnxruntime pool (sized by configure_threads).
+    """SessionOptions for every onnxruntime session of the kernel library.
 
-    A pool per session cost 20x with dozens of sessions, so the kernels share
-    one global pool. Once it exists, every InferenceSession in the process must
-    opt out of per-session threads: build their options here.
+    Default: a pool per session, sized by configure_threads, with spinning
+    off.  onnxruntime's global pool (DSPX_ORT_POOL=global) cannot turn its
+    spinning off from Python, and its workers kept both CPUs busy after each
+    call, delaying the device's answer and the host: ResNet-18 through the
+    device measured 41 vs 56 ms and 54 vs 81 ms (session vs global pools,
+    same run).  Spinning, not the number of pools, was what cost 20x in the
+    KERNEL-NOTES measurement.
     """
-    global _ort_ready
     import onnxruntime as ort
 
-    if not _ort_ready:
-        try:
-            ort.capi._pybind_state.set_global_thread_pool_sizes(_threads, 1)
-        except Exception:  # noqa: BLE001 - already created in this process
-            pass
-        _ort_ready = True
     so = ort.SessionOptions()
-    so.use_per_session_threads = False
+    if os.environ.get("DSPX_ORT_POOL", "session") == "global":
+        global _ort_ready
+        if not _ort_ready:
+            try:
+                ort.capi._pybind_state.set_global_thread_pool_sizes(_threads, 1)
+            except Exception:  # noqa: BLE001 - already created in this process
+                pass
+            _ort_ready = True
+        so.use_per_session_threads = False
+    else:
+        so.intra_op_num_threads = _threads
+        so.inter_op_num_threads = 1
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.log_severity_level = 3
     return so
 
