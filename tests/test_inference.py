@@ -8,7 +8,6 @@ import errno
 import io
 import json
 import struct
-import warnings
 
 import numpy as np
 import onnxruntime as ort
@@ -76,6 +75,14 @@ def _serving(c):
     """The device still answers on this connection and keeps its accounting."""
     assert c.ping()["version"] == "3.0.0"
     return c.pools()
+
+
+def _core_barrier(c):
+    """Wait until the core has done everything queued before now: DYN_UNLOAD
+    is answered by the front while the core frees the module, and POOL_STATUS
+    reads the core's RSS; a load the core must refuse goes through it."""
+    with pytest.raises(ModuleLoadError):
+        c.load_module(b"\0" * 64)
 
 
 def _module_dir(compiled, name):
@@ -619,6 +626,7 @@ def test_fifty_cycles_leave_the_pool_and_rss_where_they_were(shared_device, clie
         with VirtualMachine(d, client=c) as vm:
             assert c.pools()["ddr_used"] > start["ddr_used"]
             vm["main"](*x)
+        _core_barrier(c)
         p = c.pools()
         assert (p["ddr_used"], p["modules"]) == (start["ddr_used"], start["modules"]), i
         first = first or p  # input_buf/output_buf exist from the first load on
@@ -635,9 +643,10 @@ def test_resnet_cycles_with_separate_weights_do_not_leak(shared_device, client_o
     c = client_of(shared_device.path, staging_size=(d / "weights.bin").stat().st_size + MiB)
     start = c.pools()
     rss = []
-    for i in range(6):
+    for i in range(5):
         with VirtualMachine(d, client=c) as vm:
             vm.run_nocopy(*x)
+        _core_barrier(c)
         p = c.pools()
         assert p["ddr_used"] == start["ddr_used"] and p["modules"] == start["modules"], i
         rss.append(p["rss_bytes"])

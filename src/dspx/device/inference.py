@@ -11,6 +11,7 @@ only the first output (and its descriptor) reaches output_buf.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -30,7 +31,7 @@ class InferFailed(Exception):
 
 def view(mm, offset: int, shape, dtype: str) -> np.ndarray:
     dt = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)  # not np.prod: ~10x slower on a tuple, and this runs per tensor per call
     return np.frombuffer(mm, dtype=dt, count=count, offset=offset).reshape(shape)
 
 

@@ -50,7 +50,9 @@ class VirtualMachine:
         try:
             self.module = self.client.load_module(so.read_bytes())
             self.handle = self.module.handle
-            wfile = self.metadata.get("weights_file")
+            # metadata.json names a separate weights file as weights.file (docs/compiler.md)
+            w = self.metadata.get("weights")
+            wfile = (w.get("file") if isinstance(w, dict) else None) or self.metadata.get("weights_file")
             if wfile:
                 self.model_id, _ = self.client.load_weights((so.parent / wfile).read_bytes())
         except BaseException:

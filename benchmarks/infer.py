@@ -1,0 +1,520 @@
+"""Compiled modules at runtime: ResNet-18 latency through the device vs in-process.
+
+    python benchmarks/infer.py [--runs 40] [--slow-runs 3] [--threads 2] [--batch 2] [--no-slow]
+
+For the same compiled module (dspx.compiler.examples ResNet-18, fixed seed,
+compiled here with `dspx compile`, timed) it measures, medians of --runs calls:
+
+- ``tvm``:      the module loaded in-process with the device's own loader
+                (+ ``kernels.register_all()``), its entry called through TVM
+                (``relax.VirtualMachine["main"]`` on a TVM tensor, no copies);
+- ``vm``:       ``VirtualMachine["main"](x)`` through a real device process
+                (input copied into input_buf, output copied out);
+- ``nocopy``:   ``create_input`` + ``run_nocopy`` (zero copy both ways);
+- ``ort``:      onnxruntime in-process on the ONNX file.
+
+Every candidate has its own process and the same thread budget (--threads,
+default 2): the in-process TVM and onnxruntime paths run in worker processes,
+the device is a ``python -m dspx.device --threads N`` with one core.  Calls are
+interleaved in small batches (shuffled order, a 50 ms pause between batches so
+spinning thread pools go to sleep) so load spikes on this shared machine hit
+every candidate alike.  The same is done, with --slow-runs calls,
+for the ``--no-kernels`` module (pure TVM codegen, ~2.7 s per call).  A tiny
+module (the 7-input example) gives the fixed per-call cost of the device hop.
+
+Prints a table; writes JSON to benchmarks/results/infer-<timestamp>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+BUILD = RESULTS / "build"
+
+
+def _threads_env(n: int) -> dict:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "TVM_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(n)
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _inputs(meta: dict, seed: int = 0):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in meta["inputs"]:
+        if np.issubdtype(np.dtype(t["dtype"]), np.integer):
+            out.append(rng.integers(-3, 4, t["shape"]).astype(t["dtype"]))
+        else:
+            out.append(rng.standard_normal(t["shape"]).astype(t["dtype"]))
+    return out
+
+
+# ------------------------------------------------------------------ workers
+def worker(kind: str, target: str, threads: int) -> None:
+    """Line protocol on stdin/stdout: 'N' -> JSON list of N call times (s)."""
+    import numpy as np
+
+    if kind == "tvm":
+        from dspx.device import kernels, loader
+        kernels.configure_threads(threads)
+        kernels.register_all()
+        meta = json.loads((Path(target) / "metadata.json").read_text())
+        mod = loader.load_module((Path(target) / "model.so").read_bytes(), kernels.names())
+        args = [loader.as_tensor(a) for a in _inputs(meta)]
+        func = mod._func
+
+        def call():
+            return func(*args)
+
+        def first_output():
+            out = call()
+            out = out[0] if not hasattr(out, "numpy") else out
+            return out.numpy()
+    else:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(target, so, providers=["CPUExecutionProvider"])
+        meta = {"inputs": [{"name": i.name, "shape": i.shape,
+                            "dtype": {"tensor(float)": "float32", "tensor(int64)": "int64",
+                                      "tensor(float16)": "float16"}[i.type]} for i in sess.get_inputs()]}
+        feed = {t["name"]: a for t, a in zip(meta["inputs"], _inputs(meta))}
+
+        def call():
+            return sess.run(None, feed)
+
+        def first_output():
+            return call()[0]
+
+    out = first_output()  # warm-up + reference output for the main process
+    print(json.dumps({"ready": True, "out": np.asarray(out, dtype=np.float64).ravel().tolist()}), flush=True)
+    for line in sys.stdin:
+        n = int(line)
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            call()
+            ts.append(time.perf_counter() - t0)
+        print(json.dumps(ts), flush=True)
+
+
+# ------------------------------------------------------------------ breakdown of one device call
+# Timestamps (time.perf_counter: CLOCK_MONOTONIC, comparable across processes)
+# taken by wrappers around the front and core entry points, in processes of
+# their own; the device code itself is not changed.
+TS_ENV = "DSPX_BENCH_TS"
+
+
+def core_worker(argv) -> None:
+    from dspx.device import core, inference
+
+    run, recv = inference.run, core.jobs.recv
+
+    def timed_recv(ep, timeout=None):
+        msg, fds = recv(ep, timeout)
+        msg["t_core_in"] = time.perf_counter()
+        return msg, fds
+
+    def timed_run(module, weights, job, bufs):
+        t0 = time.perf_counter()
+        out = run(module, weights, job, bufs)
+        out["ts"] = (job["t_core_in"], t0, out["cycles"] / 1e9, time.perf_counter())
+        return out
+
+    core.jobs.recv, inference.run = timed_recv, timed_run
+    core.main(argv)
+
+
+def front_worker(sock: str, threads: int) -> None:
+    import socket as _socket
+
+    from dspx.device import service
+
+    log = open(os.environ[TS_ENV], "w")
+
+    def start(self):  # CoreProc.start, with the core wrapped
+        parent, child = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", "core", "--fd", str(child.fileno()),
+                                      "--index", str(self.index), "--threads", str(self.threads)],
+                                     pass_fds=[child.fileno()], env=_threads_env(threads), stdin=subprocess.DEVNULL)
+        child.close()
+        parent.setblocking(True)
+        self.ep = service.jobs.endpoint(parent)
+        self.generation += 1
+        self.known_bufs, self.running, self.ready = set(), None, False
+
+    on_conn, to_core, recv = service.Service._on_conn, service.Service._send_to_core, service.jobs.recv
+    last_in = [0.0]
+
+    def timed_on_conn(self, conn):
+        last_in[0] = time.perf_counter()
+        return on_conn(self, conn)
+
+    def timed_to_core(self, c, msg, bufs=()):
+        msg["t_front_in"], msg["t_front_out"] = last_in[0], time.perf_counter()
+        return to_core(self, c, msg, bufs)
+
+    def timed_recv(ep, timeout=None):
+        msg, fds = recv(ep, timeout)
+        if "ts" in msg:
+            job = service._bench_inflight.get(msg.get("job"))
+            if job is not None:
+                log.write(json.dumps([job.msg["t_front_in"], job.msg["t_front_out"], *msg["ts"],
+                                      time.perf_counter()]) + "\n")
+                log.flush()
+        return msg, fds
+
+    service.CoreProc.start, service.Service._on_conn = start, timed_on_conn
+    service.Service._send_to_core, service.jobs.recv = timed_to_core, timed_recv
+    svc = service.Service(sock, cores=1, threads=threads)
+    service._bench_inflight = svc._inflight
+    svc.serve_forever()
+
+
+def breakdown(module: Path, threads: int, runs: int) -> dict:
+    """Median time of each leg of a zero-copy call (create_input + run_nocopy)."""
+    import numpy as np
+
+    from dspx.host.client import Client
+    from dspx.host.vm import VirtualMachine
+    from dspx.transport import is_listening
+
+    tmp = tempfile.mkdtemp(prefix="dspx-bench-")
+    sock, ts_log = os.path.join(tmp, "dsp0.sock"), os.path.join(tmp, "ts.jsonl")
+    front = subprocess.Popen([sys.executable, __file__, "--worker", "front", "--target", sock, "--threads",
+                              str(threads)], env={**_threads_env(threads), TS_ENV: ts_log})
+    try:
+        while not is_listening(sock):
+            time.sleep(0.05)
+        meta = json.loads((module / "metadata.json").read_text())
+        c = Client(sock, staging_size=(module / "model.so").stat().st_size + (1 << 20), kv_size=0)
+        vm = VirtualMachine(module, client=c)
+        xd = [vm.create_input(a.shape, a.dtype) for a in _inputs(meta)]
+        for _ in range(5):
+            vm.run_nocopy(*xd)
+        sent, done, real_send = [], [], c.send
+
+        def send(msg, fds=()):
+            sent.append(time.perf_counter())
+            return real_send(msg, fds)
+
+        c.send = send
+        for _ in range(runs):
+            vm.run_nocopy(*xd)
+            done.append(time.perf_counter())
+        vm.close()
+        c.close()
+    finally:
+        front.terminate()
+        front.wait(10)
+    rows = [json.loads(line) for line in open(ts_log)][-runs:]
+    legs = {k: [] for k in ("client -> front", "front: decode, validate", "front -> core",
+                            "core: views, pack outputs", "entry call (cycles)", "core -> front -> client",
+                            "total", "total - entry call")}
+    for t_send, t_done, (f_in, f_out, c_in, t0, entry, t_end, f_back) in zip(sent, done, rows):
+        for k, v in zip(legs, (f_in - t_send, f_out - f_in, c_in - f_out, t_end - c_in - entry, entry,
+                               t_done - t_end, t_done - t_send, t_done - t_send - entry)):
+            legs[k].append(v * 1e6)
+    return {k: {"median_us": statistics.median(v), "p90_us": sorted(v)[int(0.9 * len(v))]} for k, v in legs.items()}
+
+
+class Worker:
+    def __init__(self, kind: str, target, threads: int):
+        self.kind = kind
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--target", str(target),
+                                      "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=_threads_env(threads), text=True)
+        first = json.loads(self.proc.stdout.readline())
+        self.out = first["out"]
+
+    def run(self, n: int) -> list[float]:
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+# ------------------------------------------------------------------ device side
+class DevicePaths:
+    """Two connections to one device: one for vm["main"] (copies), one for
+    create_input + run_nocopy (input capacity is taken by the created array)."""
+
+    def __init__(self, socket_path: str, module: Path, staging: int):
+        import numpy as np
+
+        from dspx.host.client import Client
+        from dspx.host.vm import VirtualMachine
+
+        meta = json.loads((module / "metadata.json").read_text())
+        self.x = _inputs(meta)
+        self.vm = VirtualMachine(module, client=Client(socket_path, staging_size=staging, kv_size=0))
+        self.vm_nc = VirtualMachine(module, client=Client(socket_path, staging_size=staging, kv_size=0))
+        self.x_dev = [self.vm_nc.create_input(a.shape, a.dtype) for a in self.x]
+        for d, a in zip(self.x_dev, self.x):
+            d[...] = a
+        self.cycles = {"vm": [], "nocopy": []}
+        out = self.vm["main"](*self.x)
+        out = out[0] if isinstance(out, list) else out
+        self.out = np.asarray(out, dtype=np.float64).ravel().tolist()
+        self.vm_nc.run_nocopy(*self.x_dev)
+
+    def run(self, which: str, n: int) -> list[float]:
+        ts = []
+        for _ in range(n):
+            if which == "vm":
+                t0 = time.perf_counter()
+                self.vm["main"](*self.x)
+                ts.append(time.perf_counter() - t0)
+                self.cycles["vm"].append(self.vm.last_cycles)
+            else:
+                t0 = time.perf_counter()
+                self.vm_nc.run_nocopy(*self.x_dev)
+                ts.append(time.perf_counter() - t0)
+                self.cycles["nocopy"].append(self.vm_nc.last_cycles)
+        return ts
+
+    def close(self):
+        for v in (self.vm, self.vm_nc):
+            c = v.client
+            v.close()
+            c.close()
+
+
+def interleave(cands: dict, runs: int, batch: int, settle: float = 0.05) -> tuple[dict, list[dict]]:
+    """All call times per candidate, and per round the median of each one's batch.
+
+    The order is shuffled every round (a fixed seed): thread pools spin for a
+    while after a burst of work (onnxruntime's do), so whoever runs right
+    after a given candidate pays for it; a rotation would keep the same
+    neighbours.  ``settle`` seconds between batches let those threads sleep."""
+    import random
+
+    rng = random.Random(0)
+    times = {k: [] for k in cands}
+    per_round = []
+    rounds = max(1, -(-runs // batch))
+    keys = list(cands)
+    for r in range(rounds):
+        order = keys[:]
+        rng.shuffle(order)
+        this = {}
+        for k in order:
+            time.sleep(settle)
+            ts = cands[k](batch)
+            times[k] += ts
+            this[k] = statistics.median(ts)
+        per_round.append(this)
+    return times, per_round
+
+
+def paired(per_round: list[dict], a: str, b: str) -> float:
+    """Median over rounds of a/b measured in the same round: the machine's
+    load drifts between rounds, much less within one."""
+    return statistics.median(r[a] / r[b] for r in per_round)
+
+
+def summarize(times: list[float]) -> dict:
+    ms = [t * 1e3 for t in times]
+    q = statistics.quantiles(ms, n=4) if len(ms) >= 2 else [ms[0]] * 3
+    p10 = sorted(ms)[len(ms) // 10]
+    return {"median_ms": statistics.median(ms), "p10_ms": p10, "p25_ms": q[0], "p75_ms": q[2], "min_ms": min(ms),
+            "n": len(ms)}
+
+
+def compile_module(onnx: Path, out: Path, kernels: bool, threads: int) -> dict:
+    cmd = [sys.executable, "-m", "dspx.cli", "compile", str(onnx), "-o", str(out), "--json"]
+    if not kernels:
+        cmd.append("--no-kernels")
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_threads_env(threads))
+    wall = time.perf_counter() - t0
+    if p.returncode:
+        raise SystemExit(f"compile failed: {p.stdout}\n{p.stderr}")
+    meta = json.loads(p.stdout.strip().splitlines()[-1])
+    return {"wall_s": wall, "stages_s": meta.get("timings", {}), "command": " ".join(cmd[1:])}
+
+
+def bench_model(label: str, module: Path, onnx: Path, sock: str, threads: int, runs: int, batch: int,
+                ort_worker=None) -> dict:
+    import numpy as np
+
+    tvm_w = Worker("tvm", module, threads)
+    dev = DevicePaths(sock, module, staging=(module / "model.so").stat().st_size + (1 << 20))
+    ort_w = ort_worker or Worker("ort", onnx, threads)
+    try:
+        ref = np.array(ort_w.out)
+        diffs = {k: float(np.max(np.abs(np.array(o) - ref))) for k, o in
+                 (("tvm", tvm_w.out), ("device", dev.out))}
+        cands = {"tvm": tvm_w.run, "vm": lambda n: dev.run("vm", n), "nocopy": lambda n: dev.run("nocopy", n),
+                 "ort": ort_w.run}
+        times, per_round = interleave(cands, runs, batch)
+        res = {k: summarize(v) for k, v in times.items()}
+        res["ratios_paired"] = {"vm/tvm": paired(per_round, "vm", "tvm"),
+                                "nocopy/tvm": paired(per_round, "nocopy", "tvm"),
+                                "vm/ort": paired(per_round, "vm", "ort"),
+                                "nocopy/ort": paired(per_round, "nocopy", "ort"),
+                                "tvm/ort": paired(per_round, "tvm", "ort")}
+        for k in ("vm", "nocopy"):
+            res[k]["device_call_ms"] = statistics.median(dev.cycles[k]) / 1e6  # 1 GHz nominal: ns
+        t = res["tvm"]["median_ms"]
+        res["ratios_p10"] = {k: res[a]["p10_ms"] / res[b]["p10_ms"] for k, (a, b) in
+                             {"vm/tvm": ("vm", "tvm"), "nocopy/tvm": ("nocopy", "tvm"), "vm/ort": ("vm", "ort"),
+                              "nocopy/ort": ("nocopy", "ort"), "tvm/ort": ("tvm", "ort")}.items()}
+        res["ratios_min"] = {"vm/tvm": res["vm"]["min_ms"] / res["tvm"]["min_ms"],
+                             "nocopy/tvm": res["nocopy"]["min_ms"] / res["tvm"]["min_ms"],
+                             "nocopy/ort": res["nocopy"]["min_ms"] / res["ort"]["min_ms"]}
+        res["ratios"] = {"vm/tvm": res["vm"]["median_ms"] / t, "nocopy/tvm": res["nocopy"]["median_ms"] / t,
+                         "vm/ort": res["vm"]["median_ms"] / res["ort"]["median_ms"],
+                         "nocopy/ort": res["nocopy"]["median_ms"] / res["ort"]["median_ms"],
+                         "tvm/ort": t / res["ort"]["median_ms"]}
+        res["max_abs_diff_vs_ort"] = diffs
+        res["label"] = label
+        return res
+    finally:
+        tvm_w.close()
+        dev.close()
+        if ort_worker is None:
+            ort_w.close()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=40)
+    ap.add_argument("--slow-runs", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2, help="calls per candidate per interleaving round")
+    ap.add_argument("--no-slow", action="store_true", help="skip the --no-kernels module")
+    ap.add_argument("--worker", choices=["tvm", "ort", "front"], help=argparse.SUPPRESS)
+    ap.add_argument("--target", help=argparse.SUPPRESS)
+    ap.add_argument("--breakdown", action="store_true", help="also time each leg of a device call")
+    argv = sys.argv[1:] if argv is None else argv
+    sys.path.insert(0, str(ROOT / "src"))
+    if argv[:2] == ["--worker", "core"]:
+        core_worker(argv[2:])
+        return
+    a = ap.parse_args(argv)
+    if a.worker == "front":
+        front_worker(a.target, a.threads)
+        return
+    if a.worker:
+        worker(a.worker, a.target, a.threads)
+        return
+
+    os.environ.update(_threads_env(a.threads))
+    from dspx.compiler import examples
+    from dspx.transport import is_listening
+
+    onnx = examples.build_all(BUILD / "onnx")
+    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
+              "cpus": os.cpu_count(), "threads": a.threads, "runs": a.runs, "slow_runs": a.slow_runs,
+              "loadavg_start": os.getloadavg(), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
+    print("compiling ResNet-18 ...", file=sys.stderr)
+    report["compile"] = {"kernels": compile_module(onnx["resnet18"], BUILD / "resnet18-k", True, a.threads)}
+    if not a.no_slow:
+        report["compile"]["no_kernels"] = compile_module(onnx["resnet18"], BUILD / "resnet18", False, a.threads)
+    compile_module(onnx["multi_input"], BUILD / "multi_input", False, a.threads)
+
+    tmp = tempfile.mkdtemp(prefix="dspx-bench-")
+    sock = os.path.join(tmp, "dsp0.sock")
+    devlog = open(os.path.join(tmp, "device.log"), "w")
+    dev = subprocess.Popen([sys.executable, "-m", "dspx.device", "--socket", sock, "--cores", "1",
+                            "--threads", str(a.threads), "--quiet"], env=_threads_env(a.threads),
+                           stdout=devlog, stderr=devlog)
+    try:
+        while not is_listening(sock):
+            if dev.poll() is not None:
+                raise SystemExit(f"device exited: {open(devlog.name).read()}")
+            time.sleep(0.05)
+        from dspx.host.client import Client
+        with Client(sock, staging_size=1 << 20, kv_size=0) as c:
+            pings = sorted(c.ping()["rtt_us"] for _ in range(200))
+        report["ping_rtt_us_median"] = pings[len(pings) // 2]
+
+        ort_w = Worker("ort", onnx["resnet18"], a.threads)
+        try:
+            print("ResNet-18 (kernels) ...", file=sys.stderr)
+            report["resnet18_kernels"] = bench_model("resnet18 (kernels)", BUILD / "resnet18-k", onnx["resnet18"],
+                                                     sock, a.threads, a.runs, a.batch, ort_w)
+            if not a.no_slow:
+                print("ResNet-18 (--no-kernels) ...", file=sys.stderr)
+                report["resnet18_no_kernels"] = bench_model("resnet18 (--no-kernels)", BUILD / "resnet18",
+                                                            onnx["resnet18"], sock, a.threads, a.slow_runs, 1,
+                                                            ort_w)
+        finally:
+            ort_w.close()
+        print("tiny module (7 inputs, INFER_LARGE) ...", file=sys.stderr)
+        report["tiny_multi_input"] = bench_model("multi_input (7 inputs)", BUILD / "multi_input",
+                                                 onnx["multi_input"], sock, a.threads, max(a.runs, 100), 10)
+    finally:
+        dev.terminate()
+        dev.wait(10)
+        devlog.close()
+    if a.breakdown:
+        print("breakdown of a zero-copy call ...", file=sys.stderr)
+        report["breakdown"] = {"resnet18 (kernels)": breakdown(BUILD / "resnet18-k", a.threads, a.runs),
+                               "multi_input (7 inputs)": breakdown(BUILD / "multi_input", a.threads,
+                                                                   max(a.runs, 100))}
+    report["loadavg_end"] = os.getloadavg()
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"infer-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
+    path.write_text(json.dumps(report, indent=2))
+
+    print(f"\nResNet-18 1x3x224x224 float32, {a.threads} threads, medians "
+          f"(load avg {report['loadavg_start'][0]:.2f} -> {report['loadavg_end'][0]:.2f}); "
+          f"PING round trip {report['ping_rtt_us_median']:.0f} us")
+    print(f"{'module':26} {'TVM in-proc':>11} {'vm[main]':>10} {'nocopy':>10} {'device call':>11} "
+          f"{'ORT':>9} {'vm/tvm':>7} {'nc/tvm':>7} {'vm/ort':>7} {'nc/ort':>7}")
+    for key in ("resnet18_kernels", "resnet18_no_kernels", "tiny_multi_input"):
+        r = report.get(key)
+        if not r:
+            continue
+        q = r["ratios"]
+        print(f"{r['label']:26} {r['tvm']['median_ms']:9.3f}ms {r['vm']['median_ms']:8.3f}ms "
+              f"{r['nocopy']['median_ms']:8.3f}ms {r['nocopy']['device_call_ms']:9.3f}ms "
+              f"{r['ort']['median_ms']:7.3f}ms {q['vm/tvm']:7.3f} {q['nocopy/tvm']:7.3f} "
+              f"{q['vm/ort']:7.3f} {q['nocopy/ort']:7.3f}")
+        q = r["ratios_paired"]
+        print(f"{'  (paired per round)':26} {'':>11} {'':>10} {'':>10} {'':>11} {'':>9} {q['vm/tvm']:7.3f} "
+              f"{q['nocopy/tvm']:7.3f} {q['vm/ort']:7.3f} {q['nocopy/ort']:7.3f}")
+        q = r["ratios_p10"]
+        print(f"{'  (10th percentile)':26} {r['tvm']['p10_ms']:9.3f}ms {r['vm']['p10_ms']:8.3f}ms "
+              f"{r['nocopy']['p10_ms']:8.3f}ms {'':>11} {r['ort']['p10_ms']:7.3f}ms {q['vm/tvm']:7.3f} "
+              f"{q['nocopy/tvm']:7.3f} {q['vm/ort']:7.3f} {q['nocopy/ort']:7.3f}")
+        m = r["ratios_min"]
+        print(f"{'  (minimum of the runs)':26} {r['tvm']['min_ms']:9.3f}ms {r['vm']['min_ms']:8.3f}ms "
+              f"{r['nocopy']['min_ms']:8.3f}ms {'':>11} {r['ort']['min_ms']:7.3f}ms {m['vm/tvm']:7.3f} "
+              f"{m['nocopy/tvm']:7.3f} {'':>7} {m['nocopy/ort']:7.3f}")
+    for label, legs in report.get("breakdown", {}).items():
+        print(f"\nlegs of one create_input + run_nocopy call, {label} (median / p90, us):")
+        for k, v in legs.items():
+            print(f"  {k:26} {v['median_us']:10.1f} {v['p90_us']:10.1f}")
+    for k, v in report["compile"].items():
+        st = ", ".join(f"{s} {t:.2f}" for s, t in v["stages_s"].items())
+        print(f"compile ResNet-18 ({k}): {v['wall_s']:.1f} s wall incl. interpreter + TVM import ({st})")
+    print(f"goals: vm/tvm <= 1.05, nocopy/tvm <= 1.02, device/ort <= 1.5 (reach 1.0)")
+    print(f"JSON: {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
