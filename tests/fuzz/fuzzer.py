@@ -106,7 +106,9 @@ class FuzzStats:
     reconnects: int = 0
     fds_sent: int = 0
     problems: list = field(default_factory=list)
+    internal_errors: list = field(default_factory=list)  # ERR_GENERIC answers: request + the device's text
     max_latency_s: float = 0.0
+    slowest: str = ""
     elapsed_s: float = 0.0
 
     def problem(self, text: str) -> None:
@@ -118,10 +120,10 @@ class FuzzStats:
                 "by_type": dict(self.by_type.most_common()), "by_kind": dict(self.by_kind.most_common()),
                 "malformed": self.malformed, "extra_responses": self.extra_responses, "hangs": self.hangs,
                 "crashes": self.crashes, "core_restarts": self.core_restarts, "reconnects": self.reconnects,
-                "fds_sent": self.fds_sent, "max_latency_s": round(self.max_latency_s, 4),
+                "fds_sent": self.fds_sent, "max_latency_s": round(self.max_latency_s, 4), "slowest_request": self.slowest,
                 "elapsed_s": round(self.elapsed_s, 2),
                 "msgs_per_s": round(self.sent / self.elapsed_s, 1) if self.elapsed_s else 0,
-                "problems": self.problems}
+                "problems": self.problems, "internal_errors": self.internal_errors}
 
 
 # ------------------------------------------------------------------ helpers
@@ -176,7 +178,7 @@ _RANGES = {"I": (0, U32), "i": (-(1 << 31), (1 << 31) - 1), "Q": (0, U64), "q": 
 GARBAGE_SOURCES = [
     b"", b"\x00" * 64, b"\xff\xfe\xfd", b"import os\n", b"def f(:\n", b"x = 1\n" * 100,
     b"from dspx.device import runtime as rt\nrt.register_op(0x1402, lambda i, o, t: 0)\n",
-    b"__import__('os')._exit(1)\n", b"open('/etc/passwd')\n", b"while True: pass\n"[:0] + b"raise SystemExit\n",
+    b"__import__('os')._exit(1)\n", b"open('/etc/passwd')\n", b"raise SystemExit\n",
     b"import numpy\nnumpy.zeros(1 << 60)\n", b"\n" * 4096, "\u00e9\u4e2d".encode() * 100,
 ]
 
@@ -189,7 +191,7 @@ class Fuzzer:
     buffers, staging, KV region) — every one must be ERR_ADDR here.
     """
 
-    def __init__(self, path: str, modules: dict, seed: int = 0, timeout: float = 20.0,
+    def __init__(self, path: str, modules: dict, seed: int = 0, timeout: float = 60.0,
                  foreign: list[tuple[int, int]] = (), front_pid: int | None = None, reset_every: int = 20000):
         self.path = path
         self.rng = random.Random(seed)
@@ -197,6 +199,7 @@ class Fuzzer:
         self.foreign = list(foreign)
         self.front_pid = front_pid
         self.reset_every = reset_every
+        self.crash_dir = os.environ.get("DSPX_FUZZ_CRASH_DIR")
         self.stats = FuzzStats()
         self.elfs = {k: (Path(v) / "model.so").read_bytes() for k, v in modules.items()}
         self.client = None
@@ -230,6 +233,7 @@ class Fuzzer:
         self.bufs = [(b.dsp_addr, b.size) for b in c.bufs]
         self._seq = 1000
         self._since_reset = 0
+        self._edges_cache = self._edges()
         # Fixed parts of valid requests.
         import numpy as np
 
@@ -275,7 +279,7 @@ class Fuzzer:
         out = [0, 1, memory.CARVEOUT_BASE - 1, memory.CARVEOUT_BASE, memory.CARVEOUT_BASE + memory.CARVEOUT_SIZE,
                DDR_BASE, DDR_BASE + 4096, DDR_BASE + memory.DDR_POOL_SIZE - 1, L2_BASE, L2_BASE + 64,
                L2_BASE + memory.L2_SIZE - 1, U32, 1 << 32, (1 << 32) + 1, 1 << 63, U64, U64 - 15, U64 - 4095]
-        for a, s in self.bufs + [self.kv] + self.foreign:
+        for a, s in self.bufs + [self.kv] + self.foreign:  # noqa: B007
             out += [a - 1, a, a + 1, a + s // 2, a + s - 1, a + s, a + s + 1, a + s - 64]
         return out
 
@@ -283,7 +287,7 @@ class Fuzzer:
         lo, hi = _RANGES[ch]
         r = self.rng.random()
         if ("addr" in name) and r < 0.6:
-            v = self.rng.choice(self._edges())
+            v = self.rng.choice(self._edges_cache)
         elif ("size" in name or "num" in name) and r < 0.5:
             v = self.rng.choice([0, 1, 15, 16, 63, 64, 79, 80, 81, 4095, 4096, 4097, 1 << 20, (1 << 31) - 1,
                                  1 << 31, U32 - 1, U32, 1 << 32, (1 << 32) + 80, 1 << 63, U64, U64 - 79,
@@ -343,8 +347,9 @@ class Fuzzer:
             sc.mm[off:off + len(src)] = src
             return P.OpsLoad(src_dsp_addr=sc.dsp_addr + off, src_size=len(src)), ()
         if kind == "DYN_UNLOAD":
-            return P.DynUnload(module_handle=rng.choice([self.mi.handle, self.mo.handle, 0, U32,
-                                                         self.mi.handle + 1000])), ()
+            ours = rng.random() < 0.1
+            return P.DynUnload(module_handle=rng.choice([self.mi.handle, self.mo.handle] if ours else
+                                                        [0, U32, self.mi.handle + 1000, 1])), ()
         if kind == "MODEL_UNLOAD":
             return P.ModelUnload(model_id=rng.choice([0, 1, self.mi.handle, U32])), ()
         if kind == "OPS_LIST":
@@ -427,6 +432,9 @@ class Fuzzer:
         for _ in range(n_mut if fields else 0):
             name, ch = rng.choice(fields)
             setattr(msg, name, self._value(ch, getattr(msg, name), name))
+        if kind in ("INFER", "INFER_LARGE") and not msg.flags & P.INFER_FLAGS_RESERVED \
+                and msg.flags & P.REPEAT_MASK > 3 and rng.random() < 0.99:
+            msg.flags &= ~P.REPEAT_MASK | 3  # a valid repeat of 65535 runs is slow, not interesting
         if kind == "INFER_LARGE" and rng.random() < 0.4:  # damage the descriptor table in input_buf
             ib = self.client.input_buf
             raw = bytearray(P.encode_descs(self.mi_descs))
@@ -481,7 +489,10 @@ class Fuzzer:
                 self.stats.problem("device sent fds on a response")
         if not data:
             raise ConnectionResetError("device closed the connection")
-        self.stats.max_latency_s = max(self.stats.max_latency_s, time.monotonic() - t0)
+        dt = time.monotonic() - t0
+        if dt > self.stats.max_latency_s:
+            self.stats.max_latency_s = dt
+            self.stats.slowest = self._last[:96].hex()
         return data
 
     def step(self) -> None:
@@ -498,6 +509,7 @@ class Fuzzer:
                 for fd in fds:
                     os.close(fd)
             st.sent += 1
+            self._last = data
             mtype = struct.unpack_from("<I", data)[0] if len(data) >= 4 else None
             st.by_type[P.MsgType(mtype).name if mtype in P.MsgType._value2member_map_ else "other"] += 1
             resp = self._recv()
@@ -526,33 +538,80 @@ class Fuzzer:
                 st.problem(f"{label}: extra datagram {extra[:32].hex()} after {data[:64].hex()}")
             except OSError:
                 pass
+        if status == Status.ERR_CALL and label.split(":")[0] not in ("RPC",) and len(st.internal_errors) < 20:
+            # A job that is not user code failed as a call: its core crashed.  Keep the evidence.
+            if self.crash_dir:
+                n = len(st.internal_errors)
+                with open(os.path.join(self.crash_dir, f"crash-{os.getpid()}-{n}.bin"), "wb") as f:
+                    f.write(data)
+                with open(os.path.join(self.crash_dir, f"crash-{os.getpid()}-{n}-staging.bin"), "wb") as f:
+                    f.write(bytes(self.client.staging.mm[:1 << 20]))
+        if status in (Status.ERR_GENERIC, Status.ERR_CALL) and len(st.internal_errors) < 20:
+            try:
+                self.sock.send(HDR.pack(T.GET_ERROR, 0, 16, 0))
+                err = P.decode(self._recv())
+                st.internal_errors.append(f"{label}: {data[:96].hex()} -> {err.payload.decode(errors='replace')}")
+            except Exception as e:  # noqa: BLE001
+                st.internal_errors.append(f"{label}: {data[:96].hex()} -> (GET_ERROR failed: {e!r})")
         self._track(data, resp, status)
 
     def _track(self, data: bytes, resp: bytes, status: int | None) -> None:
-        """Keep the fuzz state usable after a (possibly mutated) request succeeded."""
+        """Keep the fuzz state usable after a (possibly mutated) request
+        succeeded: undo what it created, restore what it took away."""
         self._since_reset += 1
-        if status != Status.SUCCESS:
-            if status == Status.ERR_HANDLE and len(data) >= 20:
-                t = struct.unpack_from("<I", data)[0]
-                h = struct.unpack_from("<I", data, 16)[0]
-                if t in (T.INFER, T.INFER_LARGE) and h in (self.mi.handle, self.mo.handle):
-                    self.stats.core_restarts += 1  # our module vanished: its core was restarted
-                    self._reset("module gone")
+        if self._since_reset % 1000 == 0:
+            self._check_cores()
+        if self._since_reset >= self.reset_every:
+            self._reset("periodic")
             return
+        if status != Status.SUCCESS:
+            return
+        c = self.client
         rtype = HDR.unpack_from(resp)[0] & ~P.RESPONSE_BIT
         if rtype in (T.OPS_LOAD, T.DYN_LOAD):
             r = P.decode(resp)
             h = r.lib_handle if rtype == T.OPS_LOAD else r.module_handle
             if rtype == T.OPS_LOAD or struct.unpack_from("<I", data, 20)[0] & P.DYN_LOAD_OP_LIBRARY:
                 self._unload_oplib(h)  # device-wide: never leave one behind
-            return
-        if rtype in (T.BUF_DETACH, T.DYN_UNLOAD, T.MODEL_UNLOAD, T.SET_PRINTF_BUF, T.BUF_ATTACH, T.MODEL_LOAD) \
-                or self._since_reset >= self.reset_every:
-            if rtype == T.SET_PRINTF_BUF and data[16:24] == struct.pack("<Q", self.client.printf_buf.dsp_addr):
+            else:
+                c.request(P.DynUnload(module_handle=h))
+        elif rtype == T.MODEL_LOAD:
+            c.request(P.ModelUnload(model_id=P.decode(resp).model_id))
+        elif rtype == T.BUF_ATTACH:
+            c.request(P.BufDetach(dsp_addr=P.decode(resp).dsp_addr))
+        elif rtype == T.SET_PRINTF_BUF:
+            if data[16:28] != struct.pack("<QI", c.printf_buf.dsp_addr, c.printf_buf.size):
+                c.request(P.SetPrintfBuf(printf_dsp_addr=c.printf_buf.dsp_addr, printf_size=c.printf_buf.size))
+        elif rtype == T.BUF_DETACH:
+            addr = struct.unpack_from("<Q", data, 16)[0]
+            spare = next((b for b in self.spares if b.dsp_addr == addr), None)
+            if spare is None:
+                self._reset("a fixture buffer was detached")
                 return
-            if rtype in (T.BUF_ATTACH, T.MODEL_LOAD) and self._since_reset < 200:
-                return  # new things of ours: harmless until the next reset
-            self._reset()
+            c.bufs.remove(spare)
+            spare.close()
+            self.spares.remove(spare)
+            self.spares.append(c.alloc(4096, "fuzz-spare"))
+            self.bufs = [(b.dsp_addr, b.size) for b in c.bufs]
+            self._edges_cache = self._edges()
+        elif rtype == T.DYN_UNLOAD:
+            h = struct.unpack_from("<I", data, 16)[0]
+            import warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if h == self.mi.handle:
+                    self.mi = c.load_module(self.elfs["multi_input"])
+                elif h == self.mo.handle:
+                    self.mo = c.load_module(self.elfs["multi_output"])
+
+    def _check_cores(self) -> None:
+        """Count core restarts: core pids that were not there before."""
+        if self.front_pid is None:
+            return
+        pids = set(device_footprint(self.front_pid)["cores"])
+        if self._core_pids is not None:
+            self.stats.core_restarts += len(pids - self._core_pids)
+        self._core_pids = pids
 
     def _after_loss(self) -> None:
         if self.front_pid is not None:
@@ -564,10 +623,12 @@ class Fuzzer:
 
     def run(self, count: int, progress=None) -> FuzzStats:
         t0 = time.monotonic()
+        self._check_cores()
         for i in range(count):
             self.step()
             if progress and i and i % progress[0] == 0:
                 self.stats.elapsed_s = time.monotonic() - t0
                 progress[1](self.stats)
         self.stats.elapsed_s = time.monotonic() - t0
+        self._check_cores()
         return self.stats

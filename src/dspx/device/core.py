@@ -14,6 +14,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 import traceback
 
 from .. import memory
@@ -29,6 +30,11 @@ PRINTF_HDR = struct.Struct("<IIII")
 # (os._exit(70)), so tests can crash a core through the ordinary RPC path.
 FAULT_INJECTION_ENV = "DSPX_FAULT_INJECTION"
 FAULT_CRASH_CMD = 0xFA01
+
+# Module bytes are loaded once in a forked child before the core maps them
+# (see Core._probe_load); DSPX_LOAD_PROBE=0 turns that off.
+LOAD_PROBE_ENV = "DSPX_LOAD_PROBE"
+LOAD_PROBE_TIMEOUT_S = 30.0
 
 
 class JobAborted(Exception):
@@ -132,12 +138,13 @@ class Core:
         if kind == "unload":
             mod = self.modules.pop(msg["handle"], None)
             if mod is not None:
-                mod.unload()
                 if hasattr(self, "_kernels"):
                     # Prepacked weights are keyed by content: drop them with
-                    # the module (others rebuild theirs on their next call).
+                    # the module (others rebuild theirs on their next call),
+                    # before unload() trims the heap.
                     from . import kernels
                     kernels.clear_caches()
+                mod.unload()
             return {}
         if kind == "model_load":
             return self.model_load(msg)
@@ -158,6 +165,8 @@ class Core:
 
         mm = self.bufs[msg["buf"]]
         elf = mm[msg["offset"]:msg["offset"] + msg["size"]]
+        if os.environ.get(LOAD_PROBE_ENV, "1") != "0":
+            self._probe_load(elf, msg)
         mod = loader.load_module(elf, self.kernel_names(), ddr_free=msg["ddr_free"])
         self.modules[msg["handle"]] = mod
         self._warm_up(mod)
@@ -177,6 +186,67 @@ class Core:
             mod.run([np.zeros(t.shape, t.dtype) for t in sig.inputs])
         except Exception:
             pass  # a module that cannot run on zeros reports its error at INFER
+
+    def _probe_load(self, elf: bytes, msg: dict) -> None:
+        """Load untrusted module bytes once in a throwaway child first.
+
+        The checks before mapping (ELF identity, imports, blobs) cannot see
+        everything: a damaged module tree inside an otherwise well-formed ELF
+        makes TVM's deserializer abort the whole process (found by the
+        fuzzer: a truncated module spliced with older staging bytes).  A
+        forked child takes that hit instead of the core; ordinary refusals
+        (an exception) are left to the real load, which reports them
+        precisely.  Costs one fork (copy-on-write) per load; set
+        DSPX_LOAD_PROBE=0 in the device's environment to skip it."""
+        from . import loader
+        from .errors import LoadError
+
+        loader._check_ident(memoryview(elf).cast("B"))  # not an ELF at all: refused here, no fork
+        names = self.kernel_names()  # before the fork: the child must not do first-time set-up
+        pid = os.fork()
+        if pid == 0:  # the child: never returns, never talks to the front
+            code = 0
+            try:
+                # A native exit() in the child (TVM's way of failing) would run
+                # the parent's C++ static destructors, which wait for thread
+                # pools that do not exist here: leave at once instead.
+                import ctypes
+                self._exit_hook = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: os._exit(3))
+                ctypes.CDLL(None).__cxa_atexit(self._exit_hook, None, None)
+            except (OSError, AttributeError):
+                pass
+            # A watchdog no Python code can block: SIGALRM's default action
+            # ends the child even when it is stuck in native code.
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(int(LOAD_PROBE_TIMEOUT_S))
+            try:
+                loader.load_module(elf, names, ddr_free=msg["ddr_free"]).unload()
+            except BaseException:
+                code = 1
+            os._exit(code)
+        deadline = time.monotonic() + LOAD_PROBE_TIMEOUT_S + 5
+        done, status = 0, 0
+        try:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    raise LoadError(f"loading the module did not finish within {LOAD_PROBE_TIMEOUT_S:.0f} s")
+                time.sleep(0.001)
+        finally:
+            if not done:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM:
+            raise LoadError(f"loading the module hung (no result within {LOAD_PROBE_TIMEOUT_S:.0f} s); "
+                            f"it is damaged or not a module for this device")
+        if os.WIFSIGNALED(status):
+            raise LoadError(f"the module crashed the loader ({signal.Signals(os.WTERMSIG(status)).name}); "
+                            f"it is damaged or not a module for this device")
+        if os.WEXITSTATUS(status) not in (0, 1):
+            raise LoadError(f"the module aborted the loader (exit status {os.WEXITSTATUS(status)}); "
+                            f"it is damaged or not a module for this device")
 
     def model_load(self, msg: dict) -> dict:
         from . import loader
@@ -220,8 +290,12 @@ class Core:
                 if result is None:
                     continue
                 result.setdefault("status", Status.SUCCESS)
-            except Exception as e:  # every failure becomes a status, the core keeps serving
+            except (Exception, SystemExit) as e:  # every failure becomes a status, the core keeps serving
+                # (SystemExit too: an op library's top level or handler may raise it)
                 status = getattr(e, "status", Status.ERR_GENERIC)
+                if isinstance(e, SystemExit):  # user code tried to end the core
+                    status = Status.ERR_LOAD if msg.get("kind") in ("load", "ops_load") else Status.ERR_CALL
+                    e = RuntimeError(f"{msg.get('kind')} code raised SystemExit({e.code!r}); the core keeps running")
                 result = {"status": int(status), "error": f"{type(e).__name__}: {e}" if status ==
                           Status.ERR_GENERIC else str(e)}
                 for k in ("oom_requested", "oom_free", "oom_total", "error_line"):
@@ -232,6 +306,19 @@ class Core:
             if job_id is not None:
                 result["job"] = job_id
                 jobs.send(self.ep, result)
+
+
+def _die_with_parent() -> None:
+    """A core must not outlive its front (SIGKILLed device, say) while it
+    finishes a long job: ask the kernel to kill it when the parent dies."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before we got here
+            os._exit(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _fault_crash(inp, out, tm) -> int:
@@ -248,6 +335,7 @@ def main(argv=None) -> None:
         # Before numpy/TVM/torch load: each sizes its pool from these once.
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TVM_NUM_THREADS"):
             os.environ.setdefault(var, str(a.threads))
+    _die_with_parent()
     sock = socket.socket(fileno=a.fd)
     core = Core(jobs.endpoint(sock), a.index, a.threads)
     try:

@@ -23,12 +23,26 @@ from dataclasses import dataclass, field
 from .. import memory, protocol as P
 from ..memory import AddressError, AddressSpace, Region
 from ..protocol import Status
-from ..transport import Endpoint, PeerClosed, listen, peer_uid
+from ..transport import Endpoint, PeerClosed, Timeout, listen, peer_uid
 from . import jobs
 
 S = Status
 MAX_PENDING_PER_CONN = 256
 MAX_PENDING = 4096
+# Resource limits (docs/reliability.md).  Past them a request is refused with
+# a status instead of exhausting the front's file descriptors or the job
+# channel (SCM_RIGHTS carries at most 253 fds per message).
+MAX_CONNS = 512  # a connection past this is accepted and closed at once
+MAX_BUFS_PER_CONN = 128  # BUF_ATTACH past this is ERR_NOMEM
+# Responses the peer's socket could not take yet (it is not reading).  While a
+# connection has any, the front stops reading its requests, so the queue is
+# bounded by its jobs in flight; this is a safety net above that.
+MAX_OUTBOX = MAX_PENDING_PER_CONN + 64
+# A connection that closes while a core runs one of its jobs: the core is
+# asked to abort the job (SIGUSR1, raised in the job's Python code); if the job
+# has not ended after this grace the core is killed and restarted, so the
+# connection's memory is freed within a second whatever the job does.
+ABORT_GRACE_S = 0.3
 
 
 class Reject(Exception):
@@ -63,6 +77,7 @@ class Conn:
     last_error: tuple = (0, 0, "")
     inflight: int = 0
     closed: bool = False
+    outbox: list = field(default_factory=list)  # encoded responses waiting for room in the socket
 
     @property
     def staging(self) -> Buffer | None:
@@ -124,6 +139,8 @@ class CoreProc:
         self.proc: subprocess.Popen | None = None
         self.ready = False
         self.restarts = 0
+        self.abort_job: "Job | None" = None  # the running job an abort was asked for
+        self.abort_deadline = 0.0
 
     def start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -141,6 +158,7 @@ class CoreProc:
         self.known_bufs = set()
         self.running = None
         self.ready = False
+        self.abort_job = None
 
     def stop(self, timeout: float = 3.0) -> None:
         if self.ep:
@@ -181,6 +199,7 @@ class Service:
         self._handlers = {t.value: getattr(self, "_h_" + t.name.lower()) for t in P.MsgType}
         self.running = False
         self.log = log or (lambda *a: None)
+        self._accept_paused = 0.0  # when accept() ran out of fds: retry after this time
 
     # ================================================================ lifecycle
     def serve_forever(self) -> None:
@@ -198,10 +217,19 @@ class Service:
                 for fd, _ in self.epoll.poll(0.1):
                     w = self._watch.get(fd)
                     if w is not None:
-                        w[0](w[1])
+                        try:
+                            w[0](w[1])
+                        except Exception as e:  # a bug in one callback must not take the device down
+                            import traceback
+                            self.log(f"internal error (device keeps serving): {e!r}\n{traceback.format_exc()}")
                 now = time.monotonic()
                 if now >= next_check:  # off the per-message path
-                    self._housekeeping()
+                    try:
+                        self._housekeeping()
+                    except Exception as e:
+                        import traceback
+                        self.log(f"internal error in housekeeping (device keeps serving): {e!r}\n"
+                                 f"{traceback.format_exc()}")
                     next_check = now + 0.05
         finally:
             self.shutdown()
@@ -247,14 +275,23 @@ class Service:
         for c in self.cores:
             if c.proc and c.proc.poll() is not None and c.ready:
                 self._core_died(c)
+        self._check_aborts()
+        if self._accept_paused and now >= self._accept_paused:
+            self._accept_paused = 0.0
+            self._register(self.lsock, self._accept, None)
 
     # ================================================================ cores
-    def _start_core(self, c: CoreProc) -> None:
+    def _start_core(self, c: CoreProc, wait: bool = True) -> None:
         c.start()
         self._register(c.ep.sock, self._on_core, c)
-        # Block until the core says hello so the device never answers a job
-        # before a core exists.
-        msg, _ = jobs.recv(c.ep, timeout=60)
+        if wait:
+            # At start-up, block until the core says hello so the device never
+            # answers a job before a core exists.  A restart does not block the
+            # loop: the hello arrives through _on_core, jobs queue meanwhile.
+            msg, _ = jobs.recv(c.ep, timeout=60)
+            self._core_hello(c, msg)
+
+    def _core_hello(self, c: CoreProc, msg: dict) -> None:
         if msg.get("kind") != "hello":
             raise RuntimeError(f"core {c.index} did not start: {msg}")
         c.ready = True
@@ -272,6 +309,8 @@ class Service:
         job = c.running
         c.running = None
         c.ready = False
+        c.known_bufs = set()  # its mappings died with it
+        c.abort_job = None
         if job is not None:
             self._finish(job, {"status": S.ERR_CALL, "error": f"core {c.index} crashed while running this job "
                                                                 f"(exit status {code}); it was restarted"})
@@ -283,13 +322,13 @@ class Service:
             if rec.core == c.index:
                 self._drop_model(rec)
         c.restarts += 1
-        self._start_core(c)
+        self._start_core(c, wait=False)
         self._schedule()
 
     def _on_core(self, c: CoreProc) -> None:
         try:
             msg, fds = jobs.recv(c.ep, timeout=0)
-        except PeerClosed:
+        except (PeerClosed, OSError, ValueError, EOFError):
             if c.proc:
                 try:
                     c.proc.wait(2)
@@ -300,12 +339,47 @@ class Service:
             return
         for fd in fds:
             os.close(fd)
+        if not c.ready:  # a restarted core's hello
+            try:
+                self._core_hello(c, msg)
+            except (RuntimeError, PeerClosed, OSError) as e:
+                self.log(f"core {c.index} failed to restart: {e}")
+                c.proc.kill()
+                return
+            self._schedule()
+            return
         job = self._inflight.pop(msg.get("job"), None)
         if job is None:
             return
         c.running = None
+        c.abort_job = None
         self._finish(job, msg)
         self._schedule()
+
+    def _abort_jobs_of(self, conn: Conn) -> None:
+        """Ask every core running a job of (closed) ``conn`` to abort it."""
+        for c in self.cores:
+            if c.running is not None and c.running.conn is conn and c.abort_job is not c.running:
+                c.abort_job = c.running
+                c.abort_deadline = time.monotonic() + ABORT_GRACE_S
+                try:
+                    os.kill(c.proc.pid, signal.SIGUSR1)
+                except (ProcessLookupError, AttributeError):
+                    pass
+
+    def _check_aborts(self) -> None:
+        now = time.monotonic()
+        for c in self.cores:
+            if c.abort_job is not None and c.running is c.abort_job and now >= c.abort_deadline:
+                self.log(f"core {c.index}: job of a closed connection did not abort within "
+                         f"{ABORT_GRACE_S} s; killing the core")
+                c.abort_job = None
+                try:
+                    c.proc.kill()
+                    c.proc.wait(5)
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    pass
+                self._core_died(c)
 
     def _send_to_core(self, c: CoreProc, msg: dict, bufs=()) -> None:
         new = list({b.buf_id: b for b in bufs if b.buf_id not in c.known_bufs}.values())
@@ -347,6 +421,12 @@ class Service:
                 self._send_to_core(c, job.msg, job.bufs)
             except PeerClosed:
                 self._core_died(c)
+            except (OSError, ValueError) as e:  # e.g. too many fds for one message: fail the job, not the core
+                c.running = None
+                self.log(f"could not send a job to core {c.index}: {e!r}")
+                self._finish(job, {"status": S.ERR_GENERIC, "error": f"could not hand the job to core "
+                                                                      f"{c.index}: {e}"})
+                idle.append(c)
         for job in rest:
             heapq.heappush(self.pending, job)
 
@@ -379,6 +459,15 @@ class Service:
             s, _ = self.lsock.accept()
         except (BlockingIOError, InterruptedError):
             return
+        except OSError as e:  # EMFILE/ENFILE/ENOMEM: stop accepting for a moment instead of spinning or dying
+            self.log(f"accept failed ({e}); pausing new connections for 100 ms")
+            self._unregister(self.lsock)
+            self._accept_paused = time.monotonic() + 0.1
+            return
+        if len(self.conns) >= MAX_CONNS:
+            self.log(f"refused a connection: {len(self.conns)} open (limit {MAX_CONNS})")
+            s.close()
+            return
         uid = peer_uid(s)
         if uid != os.getuid():
             # Another user's process: refuse before reading anything from it.
@@ -391,12 +480,17 @@ class Service:
         self._register(s, self._on_conn, conn)
 
     def _on_conn(self, conn: Conn) -> None:
+        if conn.outbox:
+            # Writable again (or hung up): drain first.  Its requests are read
+            # again only once every response it is owed has been taken.
+            self._flush(conn)
+            return
         try:
             data, fds, truncated = conn.ep.recv_ready()
         except PeerClosed:
             self._close_conn(conn)
             return
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, Timeout):
             return
         except OSError:
             self._close_conn(conn)
@@ -416,10 +510,44 @@ class Service:
     def _send(self, conn: Conn, data: bytes) -> None:
         if conn.closed:
             return
+        if conn.outbox:  # keep the order of responses
+            self._queue_out(conn, data)
+            return
         try:
-            conn.ep.send(data)
-        except (PeerClosed, BlockingIOError, OSError):
+            conn.ep.sock.send(data)
+        except BlockingIOError:
+            # The peer is not reading: keep the response and stop reading its
+            # requests until it does (EPOLLOUT tells us when).
+            self._queue_out(conn, data)
+            self._watch_events(conn, select.EPOLLOUT)
+        except OSError:
             self._close_conn(conn)
+
+    def _queue_out(self, conn: Conn, data: bytes) -> None:
+        if len(conn.outbox) >= MAX_OUTBOX:
+            self.log(f"connection {conn.cid} does not read its responses ({len(conn.outbox)} queued); closing it")
+            self._close_conn(conn)
+            return
+        conn.outbox.append(data)
+
+    def _flush(self, conn: Conn) -> None:
+        while conn.outbox and not conn.closed:
+            try:
+                conn.ep.sock.send(conn.outbox[0])
+            except BlockingIOError:
+                return
+            except OSError:
+                self._close_conn(conn)
+                return
+            conn.outbox.pop(0)
+        if not conn.closed:
+            self._watch_events(conn, select.EPOLLIN)
+
+    def _watch_events(self, conn: Conn, events: int) -> None:
+        try:
+            self.epoll.modify(conn.ep.sock.fileno(), events)
+        except (OSError, ValueError):
+            pass
 
     def _respond(self, conn: Conn, msg: P.Message) -> None:
         self._send(conn, msg.encode())
@@ -429,9 +557,14 @@ class Service:
             return
         conn.last_error = (req.seq, int(e.status), str(e))
         resp = P.failure(req, e.status)
+        widths = dict(zip(resp.FIELDS, resp.BODY.format.lstrip("<")))
         for k, v in e.numbers.items():
-            if hasattr(resp, k):
-                setattr(resp, k, v)
+            if k in widths:
+                # Saturate: a figure from a damaged module (e.g. a 2^63-byte
+                # segment) must not make the response unencodable.
+                bits = 32 if widths[k] in "Ii" else 64
+                lo, hi = (0, (1 << bits) - 1) if widths[k] in "IQ" else (-(1 << bits - 1), (1 << bits - 1) - 1)
+                setattr(resp, k, min(max(int(v), lo), hi))
         self._respond(conn, resp)
 
     def _dispatch(self, conn: Conn, data: bytes, fds: list, truncated: bool) -> None:
@@ -465,6 +598,7 @@ class Service:
         if conn.closed:
             return
         conn.closed = True
+        conn.outbox.clear()
         self._unregister(conn.ep.sock)
         conn.ep.close()
         # Queued jobs of a closed connection will never be answered: drop them.
@@ -478,6 +612,9 @@ class Service:
                 conn.inflight -= 1
         if conn.inflight == 0:
             self._release_conn(conn, notify_cores)
+        elif notify_cores:
+            # Its job still runs on a core: abort it so the memory is freed now.
+            self._abort_jobs_of(conn)
 
     def _release_conn(self, conn: Conn, notify_cores: bool = True) -> None:
         """Free everything the connection held: models, modules, buffers."""
@@ -501,7 +638,7 @@ class Service:
                     c.known_bufs.discard(b.buf_id)
                     try:
                         jobs.send(c.ep, {"kind": "drop", "bufs": [b.buf_id]})
-                    except PeerClosed:
+                    except OSError:  # PeerClosed included: a dead core has no mapping to drop
                         pass
         try:
             b.region.mm.close()
@@ -552,6 +689,9 @@ class Service:
             raise Reject(S.ERR_INVALID, f"BUF_ATTACH needs exactly one fd, got {len(fds)}")
         if req.flags & ~P.ATTACH_STAGING:
             raise Reject(S.ERR_INVALID, f"unknown attach flags 0x{req.flags:x}")
+        if len(conn.bufs) >= MAX_BUFS_PER_CONN:
+            raise Reject(S.ERR_NOMEM, f"connection has {len(conn.bufs)} buffers attached (limit "
+                                      f"{MAX_BUFS_PER_CONN})")
         staging = bool(req.flags & P.ATTACH_STAGING)
         if staging and conn.staging is not None:
             raise Reject(S.ERR_INVALID, "this connection already has a staging buffer")
@@ -629,8 +769,10 @@ class Service:
 
         def done(job, res):
             if res["status"] != S.SUCCESS:
+                # the core knows requested/free; the pool's total is the front's
+                total = res.get("oom_total") or (self.ddr.size if res["status"] == S.ERR_NOMEM else 0)
                 raise Reject(res["status"], res.get("error", ""), oom_requested=res.get("oom_requested", 0),
-                             oom_free=res.get("oom_free", 0), oom_total=res.get("oom_total", 0))
+                             oom_free=res.get("oom_free", 0), oom_total=total)
             need = res["text_size"] + res["data_size"] + res.get("workspace_bytes", 0)
             if not self.ddr.take(need):
                 jobs.send(self.cores[core].ep, {"kind": "unload", "handle": handle})

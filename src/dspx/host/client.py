@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket as _socket
 import struct
 import sys
 import threading
@@ -105,11 +106,47 @@ class Client:
         if self._closed:
             raise DspxError("client is closed")
         msg.seq = next(self._seq) & 0xFFFFFFFF
+        data = msg.encode()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                if fds:
+                    _socket.send_fds(self.ep.sock, [data], list(fds), _socket.MSG_DONTWAIT)
+                else:
+                    self.ep.sock.send(data, _socket.MSG_DONTWAIT)
+                return msg.seq
+            except BlockingIOError:
+                # The device stops reading a connection that leaves its
+                # responses unread (flow control): take them now, keep them
+                # for their waiters, and try again — never block for ever.
+                self._drain_for_send(deadline, msg.NAME)
+            except (BrokenPipeError, ConnectionResetError) as e:
+                raise DeviceLost(f"device closed the connection: {e.strerror}") from None
+
+    def _drain_for_send(self, deadline: float, request: str) -> None:
+        import select
+
+        left = deadline - time.monotonic()
+        if left <= 0 or not self._lock.acquire(timeout=left):
+            raise DeviceTimeout(f"could not send {request} within {self.timeout:.3g} s: the device does not "
+                                f"take requests")
         try:
-            self.ep.send(msg.encode(), fds)
-        except PeerClosed as e:
-            raise DeviceLost(f"device closed the connection: {e}") from None
-        return msg.seq
+            p = select.poll()
+            p.register(self.ep.sock, select.POLLIN | select.POLLOUT)
+            for _, ev in p.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                if ev & (select.POLLIN | select.POLLHUP):
+                    try:
+                        data, fds, _ = self.ep.recv(timeout=0)
+                    except PeerClosed:
+                        raise DeviceLost(self._lost_message()) from None
+                    except Timeout:
+                        return
+                    for fd in fds:
+                        os.close(fd)
+                    resp = P.decode(data)
+                    self._stash[resp.seq] = (resp, time.monotonic())
+        finally:
+            self._lock.release()
 
     def wait(self, seq: int, timeout: float | None = None, request: str = "") -> P.Message:
         """The response to ``seq``; responses to other requests that arrive
@@ -282,7 +319,7 @@ class Client:
         for side, want in (("input", input_bytes), ("output", output_bytes)):
             try:
                 self._grow(side, want, num_inputs)
-            except DspxError as e:
+            except (DspxError, OSError, ValueError, OverflowError) as e:  # host cannot map it either
                 short.append(f"{side} declared {want} bytes, allocated {self._capacity(side)} ({e.status_name if hasattr(e, 'status_name') else e})")
         if short:
             warnings.warn(CapacityWarning("io declaration could not be met: " + "; ".join(short) +

@@ -1,0 +1,148 @@
+"""Long structure-aware fuzz run against a live simulated device.
+
+    .venv/bin/python benchmarks/fuzz.py --messages 1000000 [--seed 1] [--workers 2]
+
+Starts its own device (64 MiB window and DDR pool), opens an observer and a
+second "victim" connection whose buffer / staging / KV addresses the fuzzer
+forges, then runs ``--workers`` fuzz connections (one process each, seeds
+seed..seed+workers-1) for ``--messages`` datagrams in total.  Prints and
+writes benchmarks/results/fuzz.json: messages sent, responses by status,
+malformed responses, hangs, crashes, core restarts, and the device's memory
+figures (POOL_STATUS, front fds, RSS) before and after.  Exit status 1 if
+anything was wrong.  See docs/reliability.md.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+KEEP = ("carveout_used", "ddr_used", "connections", "modules", "op_count")
+
+
+def worker(path, modules, seed, count, foreign, front_pid, q):
+    from tests.fuzz import Fuzzer
+
+    fz = Fuzzer(path, modules, seed=seed, foreign=foreign, front_pid=front_pid, reset_every=20000)
+    step = max(1000, count // 20)
+
+    def progress(st):
+        q.put(("progress", seed, st.sent))
+
+    stats = fz.run(count, progress=(step, progress))
+    fz.close()
+    q.put(("done", seed, stats.as_dict()))
+
+
+def merge(reports):
+    out = {"sent": 0, "by_status": collections.Counter(), "by_type": collections.Counter(),
+           "by_kind": collections.Counter(), "malformed": 0, "extra_responses": 0, "hangs": 0, "crashes": 0,
+           "reconnects": 0, "fds_sent": 0, "max_latency_s": 0.0, "problems": [], "internal_errors": []}
+    for r in reports:
+        for k in ("sent", "malformed", "extra_responses", "hangs", "crashes", "reconnects", "fds_sent"):
+            out[k] += r[k]
+        for k in ("by_status", "by_type", "by_kind"):
+            out[k].update(r[k])
+        if r["max_latency_s"] >= out["max_latency_s"]:
+            out["max_latency_s"], out["slowest_request"] = r["max_latency_s"], r.get("slowest_request", "")
+        out["problems"] += r["problems"]
+        out["internal_errors"] += r["internal_errors"]
+    for k in ("by_status", "by_type", "by_kind"):
+        out[k] = dict(out[k].most_common())
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--messages", type=int, default=1_000_000)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fuzz.json"))
+    a = ap.parse_args()
+
+    from dspx.host.client import Client
+    from tests.conftest import SMALL, Device
+    from tests.fuzz import compiled_example, device_footprint
+
+    modules = {n: str(compiled_example(n)) for n in ("multi_input", "multi_output")}
+    dev = Device(*SMALL)
+    t0 = time.monotonic()
+    try:
+        observer = Client(dev.path, staging_size=0, printf_size=0, timeout=30)
+        victim = Client(dev.path, staging_size=1 << 20, kv_size=1 << 16, timeout=30)
+        victim.alloc(4096)
+        foreign = [(b.dsp_addr, b.size) for b in victim.bufs]
+        foreign.append((victim.staging.dsp_addr + victim.staging.size - victim.kv_size, victim.kv_size))
+        before, fp_before = observer.pools(), device_footprint(dev.proc.pid)
+        q = mp.get_context("fork").Queue()
+        per = a.messages // a.workers
+        procs = [mp.get_context("fork").Process(target=worker, args=(dev.path, modules, a.seed + i,
+                                                                      per + (a.messages % a.workers if i == 0 else 0),
+                                                                      foreign, dev.proc.pid, q))
+                 for i in range(a.workers)]
+        for p in procs:
+            p.start()
+        reports, sent = [], {}
+        while len(reports) < len(procs):
+            kind, seed, payload = q.get(timeout=3600)
+            if kind == "progress":
+                sent[seed] = payload
+                el = time.monotonic() - t0
+                print(f"  {sum(sent.values()):>9,} messages  {el:7.1f} s  {sum(sent.values()) / el:7.0f}/s",
+                      flush=True)
+            else:
+                reports.append(payload)
+        for p in procs:
+            p.join()
+        elapsed = time.monotonic() - t0
+        time.sleep(0.5)
+        ping = observer.ping()
+        after, fp_after = observer.pools(), device_footprint(dev.proc.pid)
+        victim_ok = victim.ping()["version"] == "3.0.0"
+        res = merge(reports)
+        res.update(elapsed_s=round(elapsed, 1), msgs_per_s=round(res["sent"] / elapsed), workers=a.workers,
+                   seed=a.seed, device_alive=dev.alive(), ping_after=ping["version"], victim_ok=victim_ok,
+                   pools_before={k: before[k] for k in KEEP + ("rss_bytes",)},
+                   pools_after={k: after[k] for k in KEEP + ("rss_bytes",)},
+                   fds_front_before=fp_before["fds_front"], fds_front_after=fp_after["fds_front"],
+                   core_restarts=len(set(fp_after["cores"]) - set(fp_before["cores"])),
+                   device_log_tail=dev.output()[-2000:])
+        victim.close()
+        observer.close()
+    finally:
+        dev.stop()
+    ok = (res["malformed"] == res["extra_responses"] == res["hangs"] == res["crashes"] == 0 and res["device_alive"]
+          and all(res["pools_before"][k] == res["pools_after"][k] for k in KEEP)
+          and res["fds_front_before"] == res["fds_front_after"] and res["core_restarts"] == 0)
+    res["ok"] = ok
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"\nfuzz: {res['sent']:,} messages in {res['elapsed_s']} s ({res['msgs_per_s']}/s), "
+          f"{a.workers} worker(s), seed {a.seed}")
+    print(f"  {'status':<14}{'responses':>12}")
+    for k, v in res["by_status"].items():
+        print(f"  {k:<14}{v:>12,}")
+    print(f"  malformed {res['malformed']}  extra {res['extra_responses']}  hangs {res['hangs']}  "
+          f"crashes {res['crashes']}  core restarts {res['core_restarts']}  reconnects {res['reconnects']}  "
+          f"fds sent {res['fds_sent']}  max latency {res['max_latency_s']} s")
+    print(f"  pools before {res['pools_before']}\n  pools after  {res['pools_after']}")
+    print(f"  front fds {res['fds_front_before']} -> {res['fds_front_after']}; PING after: {res['ping_after']}")
+    for p in res["problems"][:10]:
+        print("  problem:", p)
+    for p in res["internal_errors"][:10]:
+        print("  ERR_GENERIC:", p[:300])
+    print("OK" if ok else "FAILED", "->", a.out)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
