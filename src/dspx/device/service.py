@@ -327,7 +327,7 @@ class Service:
 
     def _on_core(self, c: CoreProc) -> None:
         try:
-            msg, fds = jobs.recv(c.ep, timeout=0)
+            msg, fds = jobs.recv(c.ep)  # epoll said readable: no poll needed
         except (PeerClosed, OSError, ValueError, EOFError):
             if c.proc:
                 try:
