@@ -29,15 +29,21 @@ class InferFailed(Exception):
         self.numbers = numbers
 
 
-def view(mm, offset: int, shape, dtype: str) -> np.ndarray:
+def view(mm, offset: int, shape, dtype) -> np.ndarray:
     dt = np.dtype(dtype)
     count = math.prod(shape)  # not np.prod: ~10x slower on a tuple, and this runs per tensor per call
     return np.frombuffer(mm, dtype=dt, count=count, offset=offset).reshape(shape)
 
 
+_CODE_BITS: dict[np.dtype, tuple[int, int]] = {}
+
+
 def _desc(addr: int, arr: np.ndarray) -> TensorDesc:
-    code, bits = DType.code_bits(arr.dtype.name)
-    return TensorDesc(addr, arr.nbytes, arr.ndim, code, bits, tuple(int(s) for s in arr.shape))
+    # by np.dtype object: dtype.name is Python code and this runs per output per call
+    cb = _CODE_BITS.get(arr.dtype)
+    if cb is None:
+        cb = _CODE_BITS[arr.dtype] = DType.code_bits(arr.dtype.name)
+    return TensorDesc(addr, arr.nbytes, arr.ndim, cb[0], cb[1], arr.shape)
 
 
 def run(module, weights, job: dict, bufs: dict) -> dict:
@@ -72,7 +78,7 @@ def run(module, weights, job: dict, bufs: dict) -> dict:
                               f"output {len(descs)} ({arr.nbytes} bytes) does not fit: output_buf holds "
                               f"{res_size} bytes, {align(end, ALIGN)} needed through this tensor",
                               result_required=align(end, ALIGN), cycles=cycles)
-        view(out_mm, res_off + pos, arr.shape, arr.dtype.name)[...] = arr
+        view(out_mm, res_off + pos, arr.shape, arr.dtype)[...] = arr
         descs.append(_desc(res_addr + pos, arr))
         pos = align(end, ALIGN)
     if to_kv:
@@ -85,7 +91,7 @@ def run(module, weights, job: dict, bufs: dict) -> dict:
                 raise InferFailed(Status.ERR_SIZE,
                                   f"KV output {i + 1} does not fit the {kv_size}-byte KV region "
                                   f"({end} bytes needed)", result_required=0, cycles=cycles)
-            dst = view(kv_mm, kv_off + kpos, arr.shape, arr.dtype.name)
+            dst = view(kv_mm, kv_off + kpos, arr.shape, arr.dtype)
             # A module that updated its KV input in place hands back that very view.
             if not np.shares_memory(dst, arr):
                 dst[...] = arr

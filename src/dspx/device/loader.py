@@ -158,13 +158,16 @@ def as_tensor(arr: np.ndarray):
     C-contiguous, 64-byte aligned and writable (always so in input_buf, whose
     layout aligns every tensor); otherwise one aligned copy, since TVM rejects
     less aligned data and numpy cannot export read-only arrays."""
-    if not (arr.flags.c_contiguous and arr.ctypes.data % TENSOR_ALIGN == 0 and arr.flags.writeable):
-        aligned = np.empty(arr.nbytes + TENSOR_ALIGN, dtype=np.uint8)
-        skip = -aligned.ctypes.data % TENSOR_ALIGN
-        copy = aligned[skip:skip + arr.nbytes].view(arr.dtype).reshape(arr.shape)
-        copy[...] = arr
-        arr = copy
-    return tvm.runtime.from_dlpack(arr)
+    if arr.flags.c_contiguous and arr.flags.writeable:
+        try:
+            return tvm.runtime.from_dlpack(arr)  # the common case, checked by TVM itself
+        except Exception:  # noqa: BLE001 - misaligned: fall through to the copy
+            pass
+    aligned = np.empty(arr.nbytes + TENSOR_ALIGN, dtype=np.uint8)
+    skip = -aligned.ctypes.data % TENSOR_ALIGN
+    copy = aligned[skip:skip + arr.nbytes].view(arr.dtype).reshape(arr.shape)
+    copy[...] = arr
+    return tvm.runtime.from_dlpack(copy)
 
 
 class LoadedModule:
@@ -176,6 +179,7 @@ class LoadedModule:
         self.workspace_bytes = info.workspace_bytes
         self.io_meta = info.io_meta
         self.signature = info.signature
+        self._want = None  # (shape, np.dtype) per input, built on first run
         self.entry = info.signature.entry if info.signature else DEFAULT_ENTRY
         self._close_fd = weakref.finalize(self, os.close, fd)  # also if dropped without unload()
         self._lib = lib
@@ -215,8 +219,11 @@ class LoadedModule:
             specs = self.signature.inputs
             if len(inputs) != len(specs):
                 raise TensorError(f"{self.entry} takes {len(specs)} inputs, got {len(inputs)}")
-            for i, (arr, spec) in enumerate(zip(inputs, specs)):
-                if tuple(arr.shape) != spec.shape or arr.dtype.name != spec.dtype:
+            # np.dtype objects compare in C; dtype.name is Python code (~3 µs each)
+            want = self._want or [(tuple(sp.shape), np.dtype(sp.dtype)) for sp in specs]
+            self._want = want
+            for i, (arr, spec, (shape, dt)) in enumerate(zip(inputs, specs, want)):
+                if arr.shape != shape or arr.dtype != dt:
                     raise TensorError(f"input {i} ({spec.name}): got {list(arr.shape)} {arr.dtype.name}, "
                                       f"expected {list(spec.shape)} {spec.dtype}")
         if weights is not None:
