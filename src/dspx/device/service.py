@@ -805,8 +805,21 @@ class Service:
             self._unload_ops(rec)
             return P.DynUnloadResp(seq=req.seq)
         rec = self._module(conn, req.module_handle)
-        self._unload_module(rec)
-        return P.DynUnloadResp(seq=req.seq)
+        self._drop_module(rec)  # the handle is dead from now on
+        return self._answer_after_core(conn, req, rec, {"kind": "unload", "handle": rec.handle},
+                                       P.DynUnloadResp(seq=req.seq))
+
+    def _answer_after_core(self, conn, req, rec, msg: dict, resp: P.Message):
+        """Answer an unload only once the core has freed what it held, so a
+        POOL_STATUS that follows sees the memory back (queued behind the
+        jobs already running there)."""
+        c = self.cores[rec.core]
+        if not (c.generation == rec.generation and c.ready):
+            return resp  # the core that held it is gone, and its memory with it
+        # Not tied to the connection: if it closes first, the unload still runs.
+        self.submit(Job((0, next(self._job_ids)), msg, None, req, rec.core, [],
+                        lambda job, res: self._respond(conn, resp)))
+        return None
 
     def _unload_module(self, rec: ModuleRec, notify_cores: bool = True) -> None:
         if notify_cores:
@@ -860,8 +873,9 @@ class Service:
         rec = self.models.get(req.model_id)
         if rec is None or rec.cid != conn.cid:
             raise Reject(S.ERR_HANDLE, f"unknown model id {req.model_id}")
-        self._unload_model(rec)
-        return P.ModelUnloadResp(seq=req.seq)
+        self._drop_model(rec)
+        return self._answer_after_core(conn, req, rec, {"kind": "model_unload", "model_id": rec.model_id},
+                                       P.ModelUnloadResp(seq=req.seq))
 
     def _unload_model(self, rec: ModelRec, notify_cores: bool = True) -> None:
         c = self.cores[rec.core]
