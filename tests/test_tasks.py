@@ -242,3 +242,11 @@ def test_loaded_library_softmax_matches_builtin(dev2):
         u.run(SOFTMAX_CMD, p, o1)
         u.run(0x2402, p, o2)
         assert np.max(np.abs(o1.view(np.float32) - o2.view(np.float32)) / o1.view(np.float32)) <= 1e-6
+
+
+def test_op_library_over_the_size_limit_is_err_size(ucp):
+    from dspx.errors import OutputTooSmall
+    big = "from dspx.device import runtime as rt\n" + "#" * (200 << 10) + "\n"
+    with pytest.raises(OutputTooSmall, match="131072"):
+        ucp.load_ops(big)
+    assert ucp.run(SOFTMAX_CMD, ucp.malloc(13), ucp.malloc(4)).state == "released"

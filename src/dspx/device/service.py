@@ -29,6 +29,9 @@ from . import jobs
 S = Status
 MAX_PENDING_PER_CONN = 256
 MAX_PENDING = 4096
+# The source travels to every core inside one internal job message, which
+# must fit a socket buffer: op libraries are small Python files.
+MAX_OPLIB_SOURCE = 128 << 10
 # Resource limits (docs/reliability.md).  Past them a request is refused with
 # a status instead of exhausting the front's file descriptors or the job
 # channel (SCM_RIGHTS carries at most 253 fds per message).
@@ -979,12 +982,14 @@ class Service:
     def _h_ops_load(self, conn, req, fds):
         if req.flags or req.reserved:
             raise Reject(S.ERR_INVALID, "flags and reserved must be zero")
-        if req.src_size == 0 or req.src_size > (16 << 20):
-            raise Reject(S.ERR_SIZE, f"op library source of {req.src_size} bytes (1..16 MiB)")
+        if req.src_size == 0 or req.src_size > MAX_OPLIB_SOURCE:
+            raise Reject(S.ERR_SIZE, f"op library source of {req.src_size} bytes (1..{MAX_OPLIB_SOURCE})")
         b, off = self._resolve(conn, req.src_dsp_addr, req.src_size, "op library source")
         return self._load_ops(conn, req, bytes(b.region.mm[off:off + req.src_size]), "<oplib>")
 
     def _load_ops(self, conn, req, src: bytes, filename: str):
+        if len(src) > MAX_OPLIB_SOURCE:
+            raise Reject(S.ERR_SIZE, f"op library source of {len(src)} bytes (1..{MAX_OPLIB_SOURCE})")
         try:
             source = src.decode("utf-8")
         except UnicodeDecodeError as e:
