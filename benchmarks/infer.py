@@ -190,7 +190,6 @@ def front_worker(sock: str, threads: int) -> None:
 
 def breakdown(module: Path, threads: int, runs: int) -> dict:
     """Median time of each leg of a zero-copy call (create_input + run_nocopy)."""
-    import numpy as np
 
     from dspx.host.client import Client
     from dspx.host.vm import VirtualMachine
@@ -512,7 +511,7 @@ def main(argv=None) -> None:
     for k, v in report["compile"].items():
         st = ", ".join(f"{s} {t:.2f}" for s, t in v["stages_s"].items())
         print(f"compile ResNet-18 ({k}): {v['wall_s']:.1f} s wall incl. interpreter + TVM import ({st})")
-    print(f"goals: vm/tvm <= 1.05, nocopy/tvm <= 1.02, device/ort <= 1.5 (reach 1.0)")
+    print("goals: vm/tvm <= 1.05, nocopy/tvm <= 1.02, device/ort <= 1.5 (reach 1.0)")
     print(f"JSON: {path.relative_to(ROOT)}")
 
 

@@ -18,7 +18,7 @@ from dspx import protocol as P
 from dspx.errors import OutOfMemory
 from dspx.host.client import Client
 from dspx.host.tasks import Tasks
-from tests.conftest import Device
+from conftest import Device
 
 HDR = struct.Struct("<IIIi")
 SPIN, NOP = 0x3C01, 0x3C02

@@ -17,7 +17,7 @@ import pytest
 from dspx.errors import BadHandle, CallFailed, DeviceLost, DeviceTimeout, UnknownOp
 from dspx.host.client import Client
 from dspx.host.tasks import Tasks
-from tests.conftest import Device
+from conftest import Device
 
 SPIN, STUBBORN = 0x3A01, 0x3A02
 FAULT_CRASH = 0xFA01

@@ -14,7 +14,7 @@ from dspx import memory, protocol as P
 from dspx.errors import BadAddress
 from dspx.host.client import Client
 from dspx.host.tasks import Tasks
-from tests.conftest import Device
+from conftest import Device
 
 PEEK = 0x3B01
 OPS = textwrap.dedent("""

@@ -105,7 +105,6 @@ def test_modules_loaded_together_stay_apart(compiled, example_onnx):
 def test_module_without_dspx_blobs(tmp_path):
     # A plain TVM export: no io_meta ("no metadata", not an error), no signature.
     import tvm
-    from tvm import relax
     from tvm.script import relax as R
 
     @tvm.script.ir_module

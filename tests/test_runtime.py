@@ -197,7 +197,7 @@ def test_dma_wait_times_out_and_can_be_retried(core, gated):
 
 
 def test_dma_misuse(core):
-    dma, tm = core.dma, core.tm
+    dma = core.dma
     a = np.zeros(256, np.uint8)
     with pytest.raises(DmaError, match="nothing in flight"):
         dma.wait(0)

@@ -11,7 +11,7 @@ import pytest
 import scipy.special
 
 from dspx.errors import BadHandle, Busy, CallFailed, DeviceTimeout, MissingSymbol, ModuleLoadError, UnknownOp
-from dspx.host.tasks import ANY, SOFTMAX_CMD, Tasks, softmax_param
+from dspx.host.tasks import SOFTMAX_CMD, Tasks, softmax_param
 from conftest import Device
 
 # An op library for these tests: a busy loop that holds the interpreter (so

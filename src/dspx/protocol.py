@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import operator
 import struct
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 VERSION = 0x030000  # 3.0.0 as 0xMMmmpp

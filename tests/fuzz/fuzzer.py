@@ -131,7 +131,7 @@ class FuzzStats:
 
 def compiled_example(name: str) -> Path:
     """Directory of a compiled example module (the tests' cache in .cache/dspx)."""
-    from tests.conftest import CACHE, _compiler_digest
+    from conftest import CACHE, _compiler_digest
 
     out = Path(CACHE, "modules", _compiler_digest(), name)
     if not (out / "metadata.json").exists():
@@ -237,7 +237,7 @@ class Fuzzer:
         # Fixed parts of valid requests.
         import numpy as np
 
-        ib, ob = c.input_buf, c.output_buf
+        ib = c.input_buf
         self.mi_descs = []
         off = P.align(80 * 7, 64)
         for shape, dt in [((1, 16), "float32"), ((1, 16), "float32"), ((4, 4), "float32"), ((2, 8), "float32"),

@@ -3,7 +3,7 @@
 import struct
 import time
 
-from tests.conftest import SMALL, Device
+from conftest import SMALL, Device
 from tests.fuzz import Fuzzer, check_response, device_footprint
 
 MESSAGES = 6000

@@ -45,11 +45,11 @@ def compile_cmd(model, outdir, separate_weights, no_kernels, as_json):
     lines = [f"{so}  ({_size(so.stat().st_size)}, {meta['target']['mcpu']}, "
              f"{sum(meta['timings'].values()):.1f} s)",
              f"  entry     {meta['entry']}",
-             f"  inputs    " + ", ".join(_shape(t) for t in meta["inputs"]),
-             f"  outputs   " + ", ".join(_shape(t) for t in meta["outputs"]),
+             "  inputs    " + ", ".join(_shape(t) for t in meta["inputs"]),
+             "  outputs   " + ", ".join(_shape(t) for t in meta["outputs"]),
              f"  io bytes  in {io['input_bytes']}, out {io['output_bytes']}",
              f"  workspace {_size(meta['workspace_bytes'])}",
-             f"  kernels   " + (", ".join(meta["kernel_imports"]) or "none")]
+             "  kernels   " + (", ".join(meta["kernel_imports"]) or "none")]
     w = meta["weights"]
     lines.append(f"  weights   {w['mode']}" + (f" → {outdir / w['file']} ({w['count']} tensors)"
                                                if w["file"] else ""))

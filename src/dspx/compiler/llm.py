@@ -483,7 +483,6 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
 
 def _entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv: bool):
     """IRModule whose ``main`` is one forward pass over M tokens."""
-    import tvm
     from tvm import relax
 
     def ty(shape, dtype):
