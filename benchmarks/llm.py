@@ -19,8 +19,9 @@ What is measured (wall clock in the host process, medians of --repeat runs):
   196,608 bytes of logits read are the same in both modes and listed apart.
 - reference: tests/llm_reference.py (float32 numpy, dequantized weights), same
   prompts and steps, in this process, OPENBLAS_NUM_THREADS=1 unless set.
-- llama.cpp: only if llama_cpp is importable (it is not installed here and
-  takes ~15 min to build), otherwise reported as skipped.
+- llama.cpp (llama-cpp-python on the same GGUF and token ids, 1 and 2
+  threads), when it is importable: it builds from source in ~15 min and is
+  not a dependency of the project (``pip install llama-cpp-python``).
 
 Prints a table and writes benchmarks/results/llm.json.
 """
@@ -59,6 +60,42 @@ def decode_run(step, first_logits, start, n):
         ids.append(t)
         t = int(np.argmax(logits))
     return time.perf_counter() - t0, ids
+
+
+def bench_llama_cpp(p37, p256, n: int, repeat: int) -> dict:
+    """llama.cpp on the same GGUF and token ids, 1 and 2 threads: prefill by
+    eval() of the prompt, decode by greedy eval() of one token at a time."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    from dspx.llm import find_default_gguf
+
+    out = {}
+    for threads in (1, 2):
+        llm = Llama(model_path=str(find_default_gguf()), n_ctx=256, n_batch=64, n_threads=threads,
+                    n_threads_batch=threads, logits_all=False, verbose=False)
+        r = {}
+        for name, ids in (("37", p37), ("256", p256)):
+            ts = []
+            for _ in range(repeat):
+                llm.reset()
+                t0 = time.perf_counter()
+                llm.eval(ids)
+                ts.append(time.perf_counter() - t0)
+            r[f"prefill_tok_s_{name}"] = round(len(ids) / med(ts), 1)
+        ts = []
+        for _ in range(repeat):
+            llm.reset()
+            llm.eval(p37)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                llm.eval([tok])
+            ts.append(time.perf_counter() - t0)
+        r["decode_tok_s"] = round(n / med(ts), 1)
+        out[f"{threads} thread" + ("s" if threads > 1 else "")] = r
+        del llm
+    return out
 
 
 def main() -> int:
@@ -142,8 +179,7 @@ def main() -> int:
         rr["same_tokens_as_dspx"] = toks == results["dspx"]["ids_resident"]
         results["reference"] = rr
     try:
-        import llama_cpp  # noqa: F401
-        results["llama_cpp"] = "importable but not benchmarked by this script"
+        results["llama_cpp"] = bench_llama_cpp(p37, p256, n, a.repeat)
     except ImportError:
         results["llama_cpp"] = "skipped: llama-cpp-python is not installed (building it takes ~15 min)"
     results["load_avg_end"] = os.getloadavg()[0]
@@ -165,7 +201,13 @@ def main() -> int:
           f"{d['logits_bytes_per_token']:,} bytes/token in both modes)")
     if "compile_s" in results:
         print(f"compile: {results['compile_s']} s; load (modules + weights): {results['load_s']} s")
-    print(f"llama.cpp: {results['llama_cpp']}")
+    lc = results["llama_cpp"]
+    if isinstance(lc, dict):
+        for th, r in lc.items():
+            print(f"{'llama.cpp, ' + th:26s} {r['prefill_tok_s_37']!s:>11s} {r['prefill_tok_s_256']!s:>12s} "
+                  f"{r['decode_tok_s']!s:>9s}")
+    else:
+        print(f"llama.cpp: {lc}")
     print(f"load average {results['load_avg_start']:.2f} -> {results['load_avg_end']:.2f} on {results['cpus']} CPUs")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     out = os.path.join(ROOT, "benchmarks", "results", "llm.json")
