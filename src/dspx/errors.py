@@ -31,9 +31,11 @@ class VersionMismatch(DspxError):
 class CapacityError(DspxError, OSError):
     """Input over the declared input_buf capacity (EFBIG), caught before staging."""
 
-    def __init__(self, requested: int, capacity: int, what: str = "input"):
-        OSError.__init__(self, errno.EFBIG, f"{what} needs {requested} bytes but input_buf holds {capacity} "
-                                            f"(EFBIG); call reserve_io() before the first inference")
+    def __init__(self, requested: int, capacity: int, what: str = "input", where: str = "input_buf"):
+        advice = ("open the Client with a larger staging_size" if where == "staging"
+                  else "call reserve_io() before the first inference")
+        OSError.__init__(self, errno.EFBIG, f"{what} needs {requested} bytes but {where} holds {capacity} "
+                                            f"(EFBIG); {advice}")
         self.requested, self.capacity = requested, capacity
 
 

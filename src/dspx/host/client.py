@@ -279,7 +279,7 @@ class Client:
         room = self.staging.size - self.kv_size
         n = len(data)
         if n > room:
-            raise CapacityError(n, room, what)
+            raise CapacityError(n, room, what, "staging")
         self.staging.begin_cpu_access(memory.SYNC_WRITE)
         self.staging.mm[:n] = data
         self.staging.end_cpu_access(memory.SYNC_WRITE)
@@ -320,7 +320,8 @@ class Client:
             try:
                 self._grow(side, want, num_inputs)
             except (DspxError, OSError, ValueError, OverflowError) as e:  # host cannot map it either
-                short.append(f"{side} declared {want} bytes, allocated {self._capacity(side)} ({e.status_name if hasattr(e, 'status_name') else e})")
+                why = getattr(e, "status_name", None) or str(e)
+                short.append(f"{side} declared {want} bytes, allocated {self._capacity(side)} ({why})")
         if short:
             warnings.warn(CapacityWarning("io declaration could not be met: " + "; ".join(short) +
                                           " — call reserve_io() with the real figures before the first inference"),
