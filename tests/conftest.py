@@ -94,7 +94,8 @@ def _compiler_digest() -> str:
     import dspx.compiler
 
     h = hashlib.sha256(tvm.__version__.encode())
-    for f in sorted(Path(dspx.compiler.__file__).parent.glob("*.py")):
+    compiler = Path(dspx.compiler.__file__).parent
+    for f in [*sorted(compiler.glob("*.py")), compiler.parent / "modformat.py"]:
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 

@@ -580,8 +580,9 @@ def compiler_digest() -> str:
     """Digest of this compiler's source and TVM's version (cache key)."""
     import tvm
     h = hashlib.sha256(tvm.__version__.encode())
-    for f in ("llm.py", "module.py"):
-        h.update(Path(__file__).with_name(f).read_bytes())
+    for f in (Path(__file__).with_name("llm.py"), Path(__file__).with_name("module.py"),
+              Path(__file__).parent.parent / "modformat.py"):
+        h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
 

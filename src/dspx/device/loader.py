@@ -22,7 +22,7 @@ from elftools.elf.constants import P_FLAGS
 from elftools.elf.elffile import ELFFile
 from tvm import relax
 
-from dspx.compiler import module as fmt
+from dspx import modformat as fmt
 from dspx.device.errors import CallError, LoadError, NoMemError, SymbolError, TensorError, WeightsError
 from dspx.device.exports import check_imports
 from dspx.protocol import IoMeta
