@@ -9,14 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-tvm = pytest.importorskip("tvm")
-ort = pytest.importorskip("onnxruntime")
+import onnxruntime as ort  # noqa: E402
+import tvm  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from tvm import relax  # noqa: E402
 from tvm.relax.frontend.onnx import from_onnx  # noqa: E402
 
 from dspx.compiler import kernel_rewrite  # noqa: E402
 from dspx.device import kernels  # noqa: E402
+from dspx.compiler import examples  # noqa: E402
 
 kernels.register_all()
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
@@ -213,13 +214,12 @@ def test_scheduled_codegen_without_offload():
 
 
 def test_fast_math_within_budget():
-    mo = pytest.importorskip("dspx.compiler.examples").multi_output_model()  # has Tanh
+    mo = examples.multi_output_model()  # has Tanh
     run_both(mo, {"x": r(2, 32)}, fast_math=True)
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_example_models_match_onnxruntime(layout):
-    examples = pytest.importorskip("dspx.compiler.examples")
     x = np.random.default_rng(3).standard_normal((1, 3, 224, 224)).astype(np.float32)
     imports = run_both(examples.resnet18_model(), {"input": x}, layout)
     assert "dspx.kernels.conv2d_add" in imports
