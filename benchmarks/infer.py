@@ -39,6 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "src"))
+from dspx.compiler.examples import random_inputs  # noqa: E402
 BUILD = RESULTS / "build"
 
 
@@ -48,19 +50,6 @@ def _threads_env(n: int) -> dict:
         env[var] = str(n)
     env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
     return env
-
-
-def _inputs(meta: dict, seed: int = 0):
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for t in meta["inputs"]:
-        if np.issubdtype(np.dtype(t["dtype"]), np.integer):
-            out.append(rng.integers(-3, 4, t["shape"]).astype(t["dtype"]))
-        else:
-            out.append(rng.standard_normal(t["shape"]).astype(t["dtype"]))
-    return out
 
 
 # ------------------------------------------------------------------ workers
@@ -74,7 +63,7 @@ def worker(kind: str, target: str, threads: int) -> None:
         kernels.register_all()
         meta = json.loads((Path(target) / "metadata.json").read_text())
         mod = loader.load_module((Path(target) / "model.so").read_bytes(), kernels.names())
-        args = [loader.as_tensor(a) for a in _inputs(meta)]
+        args = [loader.as_tensor(a) for a in random_inputs(meta)]
         func = mod._func
 
         def call():
@@ -95,7 +84,7 @@ def worker(kind: str, target: str, threads: int) -> None:
         meta = {"inputs": [{"name": i.name, "shape": i.shape,
                             "dtype": {"tensor(float)": "float32", "tensor(int64)": "int64",
                                       "tensor(float16)": "float16"}[i.type]} for i in sess.get_inputs()]}
-        feed = {t["name"]: a for t, a in zip(meta["inputs"], _inputs(meta))}
+        feed = {t["name"]: a for t, a in zip(meta["inputs"], random_inputs(meta))}
 
         def call():
             return sess.run(None, feed)
@@ -205,7 +194,7 @@ def breakdown(module: Path, threads: int, runs: int) -> dict:
         meta = json.loads((module / "metadata.json").read_text())
         c = Client(sock, staging_size=(module / "model.so").stat().st_size + (1 << 20), kv_size=0)
         vm = VirtualMachine(module, client=c)
-        xd = [vm.create_input(a.shape, a.dtype) for a in _inputs(meta)]
+        xd = [vm.create_input(a.shape, a.dtype) for a in random_inputs(meta)]
         for _ in range(5):
             vm.run_nocopy(*xd)
         sent, done, real_send = [], [], c.send
@@ -265,7 +254,7 @@ class DevicePaths:
         from dspx.host.vm import VirtualMachine
 
         meta = json.loads((module / "metadata.json").read_text())
-        self.x = _inputs(meta)
+        self.x = random_inputs(meta)
         self.vm = VirtualMachine(module, client=Client(socket_path, staging_size=staging, kv_size=0))
         self.vm_nc = VirtualMachine(module, client=Client(socket_path, staging_size=staging, kv_size=0))
         self.x_dev = [self.vm_nc.create_input(a.shape, a.dtype) for a in self.x]

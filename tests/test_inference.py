@@ -15,6 +15,7 @@ import pytest
 from elftools.elf.elffile import ELFFile
 
 from dspx import protocol as P
+from dspx.compiler.examples import random_inputs
 from dspx.errors import (BadAddress, BadHandle, BadTensor, BadWeights, CapacityError, CapacityLocked,
                          CapacityWarning, InvalidRequest, MissingSymbol, ModuleLoadError, OutOfMemory,
                          OutputTooSmall)
@@ -29,17 +30,6 @@ MiB = 1 << 20
 # ---------------------------------------------------------------- helpers
 def _meta(directory) -> dict:
     return json.loads((directory / "metadata.json").read_text())
-
-
-def _inputs(meta: dict, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for t in meta["inputs"]:
-        if np.issubdtype(np.dtype(t["dtype"]), np.integer):
-            out.append(rng.integers(-3, 4, t["shape"]).astype(t["dtype"]))
-        else:
-            out.append(rng.standard_normal(t["shape"]).astype(t["dtype"]))
-    return out
 
 
 def _ort(onnx_path, meta: dict, inputs) -> list[np.ndarray]:
@@ -164,7 +154,7 @@ def test_outputs_match_onnxruntime(name, shared_device, client_of, compiled, exa
     meta = _meta(d)
     c = _client_for(client_of, shared_device.path, d)
     log = _spy(c)
-    x = _inputs(meta)
+    x = random_inputs(meta)
     ref = _ort(example_onnx[name], meta, x)
     with VirtualMachine(d, client=c) as vm:
         outs = vm["main"](*x)  # copy in, copy out
@@ -201,7 +191,7 @@ def test_copies_survive_and_views_follow_the_next_call(shared_device, client_of,
     d = compiled("multi_output")
     c = client_of(shared_device.path)
     with VirtualMachine(d, client=c) as vm:
-        x0, x1 = _inputs(_meta(d), 0), _inputs(_meta(d), 1)
+        x0, x1 = random_inputs(_meta(d), 0), random_inputs(_meta(d), 1)
         kept = vm["main"](*x0)
         views = vm.run_nocopy(*x0)
         before = [v.copy() for v in views]
@@ -214,7 +204,7 @@ def test_copies_survive_and_views_follow_the_next_call(shared_device, client_of,
 def test_separate_weights_match_onnxruntime(shared_device, client_of, compiled, example_onnx):
     d = compiled("multi_output", separate=True)
     meta = _meta(d)
-    x = _inputs(meta)
+    x = random_inputs(meta)
     c = client_of(shared_device.path)
     with VirtualMachine(d, client=c) as vm:  # loads weights.bin with MODEL_LOAD
         assert vm.model_id
@@ -226,7 +216,7 @@ def test_repeat_reports_per_run_cycles(shared_device, client_of, compiled):
     d = compiled("multi_input")
     c = client_of(shared_device.path)
     with VirtualMachine(d, client=c) as vm:
-        vm.run_nocopy(*_inputs(_meta(d)), repeat=3)
+        vm.run_nocopy(*random_inputs(_meta(d)), repeat=3)
         lines = vm.last_printf.splitlines()
         assert [ln.split(":")[0] for ln in lines] == ["run 0", "run 1", "run 2"]
         assert all(ln.endswith(" cycles") and int(ln.split()[2]) > 0 for ln in lines)
@@ -263,7 +253,7 @@ def test_bad_modules_are_refused_by_name(shared_device, client_of, compiled):
         assert p["ddr_used"] == start["ddr_used"] and p["modules"] == start["modules"], what
     # and a good module still loads and runs after all that
     with VirtualMachine(compiled("multi_output"), client=c) as vm:
-        vm.run_nocopy(*_inputs(_meta(compiled("multi_output"))))
+        vm.run_nocopy(*random_inputs(_meta(compiled("multi_output"))))
 
 
 def test_bad_weights_are_err_weights(shared_device, client_of, compiled):
@@ -281,7 +271,7 @@ def test_bad_weights_are_err_weights(shared_device, client_of, compiled):
         _serving(c)
     vm = VirtualMachine(d, client=c)
     try:
-        x = _inputs(_meta(d))
+        x = random_inputs(_meta(d))
         with pytest.raises(BadWeights, match="separate weights"):  # no weights passed
             c.infer(vm.handle, x, model_id=0)
         wrong, _ = c.load_weights(other)  # a valid file, of another model
@@ -301,7 +291,7 @@ def loaded(shared_device, client_of, compiled):
     c = client_of(shared_device.path)
     vm = VirtualMachine(d, client=c)
     x = vm.create_input((2, 32), "float32")
-    x[...] = _inputs(_meta(d))[0]
+    x[...] = random_inputs(_meta(d))[0]
     yield c, vm.handle, x
     vm.close()
 
@@ -386,7 +376,7 @@ def test_infer_large_descriptor_table_outside_is_err_addr(shared_device, client_
     d = compiled("multi_input")
     c = client_of(shared_device.path)
     with VirtualMachine(d, client=c) as vm:
-        x = _inputs(_meta(d))
+        x = random_inputs(_meta(d))
         vm.run_nocopy(*x)  # writes a valid descriptor table at the front of input_buf
         base = dict(module_handle=vm.handle, model_id=0, num_inputs=7, flags=0, descs_addr=c.input_buf.dsp_addr,
                     descs_size=7 * 80, input_dsp_addr=c.input_buf.dsp_addr, input_size=c.input_buf.size,
@@ -417,7 +407,7 @@ def test_unknown_or_foreign_handles_are_err_handle(loaded, shared_device, client
             c.request(_infer_msg(c, handle, [_x_desc(c, x)], model_id=4242))
         with pytest.raises(BadHandle):
             c.unload_weights(4242)
-        theirs.run_nocopy(*_inputs(_meta(compiled("multi_output"))))  # untouched by all that
+        theirs.run_nocopy(*random_inputs(_meta(compiled("multi_output"))))  # untouched by all that
     finally:
         theirs.close()
     # a handle is dead after unload
@@ -441,7 +431,7 @@ def test_kv_resident_without_kv_region_is_err_invalid(shared_device, client_of, 
     d = compiled("multi_output")
     c = client_of(shared_device.path, kv_size=0)
     with VirtualMachine(d, client=c) as vm:
-        x = _inputs(_meta(d))
+        x = random_inputs(_meta(d))
         with pytest.raises(InvalidRequest, match="KV region"):
             vm.run_nocopy(*x, kv_resident=True)
         _serving(c)
@@ -569,7 +559,7 @@ def test_completed_inference_locks_capacity(shared_device, client_of, compiled):
     c = client_of(shared_device.path)
     with VirtualMachine(d, client=c) as vm:
         assert not c.io_locked
-        vm["main"](*_inputs(_meta(d)))
+        vm["main"](*random_inputs(_meta(d)))
         assert c.io_locked
         with pytest.raises(CapacityLocked):
             vm.reserve_io(1 << 20, 1 << 20)
@@ -581,7 +571,7 @@ def test_out_of_band_output_descriptors_are_readable(shared_device, client_of, c
     c = client_of(shared_device.path)
     log = _spy(c)
     with VirtualMachine(d, client=c) as vm:
-        vm.run_nocopy(*_inputs(meta))
+        vm.run_nocopy(*random_inputs(meta))
         _, resp = log[-1]
         assert resp.num_outputs == 7 and resp.descs == [] and resp.descs_size == 7 * 80
         table = P.decode_descs(c.output_buf.mm, 7, resp.descs_addr - c.output_buf.dsp_addr)
@@ -599,7 +589,7 @@ def test_inference_syncs_only_input_and_output_buf(name, shared_device, client_o
     d = compiled(name)
     c = client_of(shared_device.path)
     with VirtualMachine(d, client=c) as vm:
-        x = _inputs(_meta(d))
+        x = random_inputs(_meta(d))
         xd = None
         for call in ("copy", "nocopy"):
             if call == "nocopy":
@@ -618,7 +608,7 @@ def test_inference_syncs_only_input_and_output_buf(name, shared_device, client_o
 # ================================================================ 3. load -> infer -> unload cycles
 def test_fifty_cycles_leave_the_pool_and_rss_where_they_were(shared_device, client_of, compiled):
     d = compiled("multi_output")
-    x = _inputs(_meta(d))
+    x = random_inputs(_meta(d))
     c = client_of(shared_device.path)
     start = c.pools()
     first = None
@@ -639,7 +629,7 @@ def test_resnet_cycles_with_separate_weights_do_not_leak(shared_device, client_o
     """ResNet-18 (kernels, 46 MB of weights through MODEL_LOAD): module, model
     slot, constants and kernel caches all go at unload."""
     d = compiled("resnet18", separate=True, kernels=True)
-    x = _inputs(_meta(d))
+    x = random_inputs(_meta(d))
     c = client_of(shared_device.path, staging_size=(d / "weights.bin").stat().st_size + MiB)
     start = c.pools()
     rss = []

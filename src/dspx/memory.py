@@ -9,6 +9,7 @@ touched.
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import os
@@ -148,6 +149,7 @@ class DmaBuf:
             os.close(self.fd)
             raise
         self.dsp_addr: int | None = None
+        self.host_addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))  # where this process sees it
         self.synced = {"read": 0, "write": 0}  # bytes covered by completed syncs
         self.sync_calls = 0
         self._syncing: int | None = None

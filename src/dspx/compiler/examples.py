@@ -165,3 +165,16 @@ def build_all(directory) -> dict[str, Path]:
         path = directory / f"{name}.onnx"
         out[name] = path if path.exists() else build(path)
     return out
+
+
+def random_inputs(meta: dict, seed: int = 0) -> list[np.ndarray]:
+    """Inputs for a compiled module from its metadata.json: small integers
+    for integer tensors (valid indices), standard normal otherwise."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in meta["inputs"]:
+        if np.issubdtype(np.dtype(t["dtype"]), np.integer):
+            out.append(rng.integers(-3, 4, t["shape"]).astype(t["dtype"]))
+        else:
+            out.append(rng.standard_normal(t["shape"]).astype(t["dtype"]))
+    return out

@@ -382,9 +382,7 @@ class Client:
         b = self.input_buf
         if b is None or not arr.flags.c_contiguous:
             return None
-        import numpy as np
-        base = np.frombuffer(b.mm, dtype=np.uint8, count=1).ctypes.data
-        off = arr.ctypes.data - base
+        off = arr.__array_interface__["data"][0] - b.host_addr
         return off if 0 <= off and off + arr.nbytes <= b.size else None
 
     # ---------------------------------------------------------------- inference
