@@ -58,7 +58,7 @@ def worker(kind: str, target: str, threads: int) -> None:
     import numpy as np
 
     if kind == "tvm":
-        from dspx.device import kernels, loader
+        from dspx.device.core import kernels, loader
         kernels.configure_threads(threads)
         kernels.register_all()
         meta = json.loads((Path(target) / "metadata.json").read_text())
@@ -112,7 +112,7 @@ TS_ENV = "DSPX_BENCH_TS"
 
 
 def core_worker(argv) -> None:
-    from dspx.device import core, inference
+    from dspx.device.core import inference, worker as core
 
     run, recv = inference.run, core.jobs.recv
 
@@ -134,7 +134,7 @@ def core_worker(argv) -> None:
 def front_worker(sock: str, threads: int) -> None:
     import socket as _socket
 
-    from dspx.device import service
+    from dspx.device.front import service
 
     log = open(os.environ[TS_ENV], "w")
 

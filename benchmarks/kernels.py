@@ -81,11 +81,11 @@ class blas_threads:
         self.n = n
 
     def __enter__(self):
-        from dspx.device import kernels as K
+        from dspx.device.core import kernels as K
         K._set_blas_threads(self.n)
 
     def __exit__(self, *exc):
-        from dspx.device import kernels as K
+        from dspx.device.core import kernels as K
         K._set_blas_threads(1 if K.backend() != "numpy" else self.n)
 
 
@@ -111,7 +111,7 @@ def blocked_ms(fns: dict, runs: int, threads: dict, block: int = 10) -> dict:
 def bench_kernels(runs: int, threads: int) -> list[dict]:
     import tvm
 
-    from dspx.device import kernels as K
+    from dspx.device.core import kernels as K
     rng = np.random.default_rng(0)
     T = tvm.runtime.tensor
 
@@ -214,7 +214,7 @@ def bench_resnet(threads: int, runs: int, nokernel_runs: int, target, layout: st
 
     model = examples.resnet18_model()
     x = np.random.default_rng(1).standard_normal((1, 3, 224, 224)).astype(np.float32)
-    from dspx.device.kernels import ort_session_options
+    from dspx.device.core.kernels import ort_session_options
     # the process-wide pool, sized to `threads` (the gemv kernels already use it)
     so = ort_session_options()
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
@@ -412,7 +412,7 @@ def main() -> int:
     import tvm
 
     from dspx.compiler.kernel_rewrite import detect_target
-    from dspx.device import kernels as K
+    from dspx.device.core import kernels as K
     K.configure_backend(a.backend)
     K.configure_threads(a.threads)
     K.register_all()

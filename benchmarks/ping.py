@@ -29,7 +29,7 @@ def stats(samples_ns):
 
 def bench_dspx(n):
     with dspx.Client(staging_size=0, printf_size=0) as c:
-        from dspx import protocol as P
+        from dspx.abi import protocol as P
         for _ in range(200):
             c.request(P.Ping())
         out = []

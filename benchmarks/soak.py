@@ -77,7 +77,7 @@ def main() -> int:
 
     import numpy as np
 
-    from dspx import protocol as P
+    from dspx.abi import protocol as P
     from dspx.host.client import Client
     from tests.conftest import Device
     from tests.fuzz import compiled_example, device_footprint

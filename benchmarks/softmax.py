@@ -20,11 +20,11 @@ import time
 import numpy as np
 import scipy.special
 
-from dspx import protocol as P
+from dspx.abi import protocol as P
 from dspx.host.tasks import SOFTMAX_CMD, Tasks, softmax_param
 
 NOP_CMD = 0x3FFF
-NOP_LIB = "from dspx.device import runtime as rt\nrt.register_op(0x3FFF, lambda i, o, t: 0, name='nop')\n"
+NOP_LIB = "from dspx.device.core import runtime as rt\nrt.register_op(0x3FFF, lambda i, o, t: 0, name='nop')\n"
 
 
 def numpy_softmax(x, out):
@@ -54,7 +54,7 @@ def main():
             data = ucp.malloc(4 * n)
             x = data.view(np.float32)
             x[:] = 1 + np.arange(n, dtype=np.float32) / np.float32(n)
-            param, out = ucp.malloc(13), ucp.malloc(4 * n)
+            param, out = ucp.malloc(24), ucp.malloc(4 * n)
             cyc = {}
             for tiled in (False, True):
                 softmax_param(param, data, n, tiled)

@@ -32,7 +32,7 @@ import scipy.special
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from dspx.device import builtin_ops, ops, runtime  # noqa: E402
+from dspx.device.core import builtin_ops, ops, runtime  # noqa: E402
 from dspx.memory import AddressSpace, Region  # noqa: E402
 
 PARAM_ADDR, DATA_ADDR, OUT_ADDR = 0xC000_0000, 0xC100_0000, 0xD000_0000

@@ -72,7 +72,7 @@ def main() -> int:
         n = 100_000
         data = ucp.malloc(4 * n)
         data.view(np.float32)[:] = 1 + np.arange(n, dtype=np.float32) / np.float32(n)
-        param, out_d, out_t = ucp.malloc(13), ucp.malloc(4 * n), ucp.malloc(4 * n)
+        param, out_d, out_t = ucp.malloc(24), ucp.malloc(4 * n), ucp.malloc(4 * n)
         softmax_param(param, data, n, tiled=False)
         d = ucp.run(SOFTMAX_CMD, param, out_d)
         softmax_param(param, data, n, tiled=True)

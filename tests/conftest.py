@@ -95,7 +95,7 @@ def _compiler_digest() -> str:
 
     h = hashlib.sha256(tvm.__version__.encode())
     compiler = Path(dspx.compiler.__file__).parent
-    for f in [*sorted(compiler.glob("*.py")), compiler.parent / "modformat.py"]:
+    for f in [*sorted(compiler.glob("*.py")), *sorted((compiler.parent / "abi").glob("*.py"))]:
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 

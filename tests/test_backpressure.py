@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from dspx import protocol as P
+from dspx.abi import protocol as P
 from dspx.errors import OutOfMemory
 from dspx.host.client import Client
 from dspx.host.tasks import Tasks
@@ -25,7 +25,7 @@ SPIN, NOP = 0x3C01, 0x3C02
 PER_CONN, TOTAL, MAX_CONNS, MAX_BUFS = 256, 4096, 512, 128  # service.py limits
 OPS = textwrap.dedent("""
     import numpy as np
-    from dspx.device import runtime as rt
+    from dspx.device.core import runtime as rt
 
     @rt.register_op(0x3C01)
     def spin(inp, out, tm):

@@ -11,6 +11,7 @@ import time
 import pytest
 
 import dspx
+from dspx.abi import layout
 from dspx.errors import DeviceLost, DeviceTimeout, DspxError, VersionMismatch
 
 
@@ -129,7 +130,7 @@ def test_printf_ring_read(device, client_of):
     mm = c.printf_buf.mm
     text = b"hello from the DSP\n"
     mm[16:16 + len(text)] = text
-    struct.pack_into("<IIII", mm, 0, memory.PRINTF_MAGIC, len(text), c.printf_buf.size, 0)
+    struct.pack_into("<IIII", mm, 0, layout.PRINTF_MAGIC, len(text), c.printf_buf.size, 0)
     assert c.read_printf() == text.decode()
     assert c.read_printf() == ""
 

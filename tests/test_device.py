@@ -9,6 +9,7 @@ import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
+from dspx.abi import layout
 
 HDR = struct.Struct("<IIIi")
 
@@ -77,7 +78,7 @@ def test_known_type_wrong_body_size_gets_typed_response(shared_device):
 
 def test_address_outside_connection_is_err_addr(shared_device, client_of):
     c = client_of(shared_device.path, staging_size=0)
-    from dspx import protocol as P
+    from dspx.abi import protocol as P
     from dspx.errors import BadAddress
     for addr in (0, 0x7E00_0000, 0x1_0200_0000, 0xC000_0000 + (63 << 20), 2**64 - 16):
         with pytest.raises(BadAddress) as e:
@@ -91,7 +92,7 @@ def test_address_outside_connection_is_err_addr(shared_device, client_of):
 
 
 def test_two_clients_see_only_their_own_buffers(shared_device, client_of):
-    from dspx import protocol as P
+    from dspx.abi import protocol as P
     from dspx.errors import BadAddress
     a = client_of(shared_device.path)
     b = client_of(shared_device.path)
@@ -114,7 +115,7 @@ def test_shared_pages_and_sync_counters(shared_device, client_of):
     from dspx import memory
     c = client_of(shared_device.path)
     hdr = struct.unpack_from("<IIII", c.printf_buf.mm, 0)
-    assert hdr == (memory.PRINTF_MAGIC, 0, c.printf_buf.size, 0)
+    assert hdr == (layout.PRINTF_MAGIC, 0, c.printf_buf.size, 0)
     assert c.staging.dsp_addr == 0xC000_0000 or c.staging.dsp_addr > 0xC000_0000
     buf = c.alloc(4096)
     buf.begin_cpu_access(memory.SYNC_WRITE)

@@ -20,13 +20,13 @@ from dspx.host.tasks import Tasks
 from conftest import Device
 
 SPIN, STUBBORN = 0x3A01, 0x3A02
-FAULT_CRASH = 0xFA01
+FAULT_CRASH = 0xFA01  # dspx.abi.ops.FAULT_CRASH_CMD, written out
 FREE_WITHIN_S = 1.0
 KEEP = ("carveout_used", "ddr_used", "connections", "modules")
 
 OPS = textwrap.dedent("""
     import numpy as np
-    from dspx.device import runtime as rt
+    from dspx.device.core import runtime as rt
 
     @rt.register_op(0x3A01)
     def spin(inp, out, tm):
@@ -255,7 +255,7 @@ def test_core_crash_is_supervised_and_old_handles_are_refused(crashable, so):
         core0 = {p.pid for p in psutil.Process(crashable.proc.pid).children()}
         # A task queued behind the crash on the same core still runs afterwards.
         crash = u.submit(u.rpc(FAULT_CRASH, u.malloc(4), u.malloc(4)), core=0)
-        queued = u.submit(u.rpc(0x1402, u.malloc(13), u.malloc(4)), core=0)
+        queued = u.submit(u.rpc(0x1402, u.malloc(24), u.malloc(4)), core=0)
         with pytest.raises(CallFailed, match="core 0 crashed"):
             u.wait(crash, 20_000)
         u.wait(queued, 30_000)

@@ -14,7 +14,8 @@ import onnxruntime as ort
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from dspx import protocol as P
+from dspx.abi import layout
+from dspx.abi import protocol as P
 from dspx.compiler.examples import random_inputs
 from dspx.errors import (BadAddress, BadHandle, BadTensor, BadWeights, CapacityError, CapacityLocked,
                          CapacityWarning, InvalidRequest, MissingSymbol, ModuleLoadError, OutOfMemory,
@@ -501,7 +502,7 @@ def test_output_too_small_then_reserve_and_retry(shared_device, client_of, wide)
     else:
         pytest.fail(f"still ERR_SIZE after {required}")
     # stops at the first tensor that does not fit: mid (ends at 25088), then big (74240)
-    assert required == [P.align(256 + 256 + 96 * 64 * 4, 64), WIDE_OUT]
+    assert required == [layout.align(256 + 256 + 96 * 64 * 4, 64), WIDE_OUT]
     for d, want in zip(res.descs, _wide_expected(x)):
         np.testing.assert_array_equal(c.output_view(d), want)
     assert c.io_locked
@@ -575,11 +576,11 @@ def test_out_of_band_output_descriptors_are_readable(shared_device, client_of, c
         _, resp = log[-1]
         assert resp.num_outputs == 7 and resp.descs == [] and resp.descs_size == 7 * 80
         table = P.decode_descs(c.output_buf.mm, 7, resp.descs_addr - c.output_buf.dsp_addr)
-        pos = P.align(7 * 80, 64)
+        pos = layout.align(7 * 80, 64)
         for desc, spec in zip(table, meta["outputs"]):
             assert desc.check() is None and list(desc.shape) == spec["shape"] and desc.dtype == spec["dtype"]
             assert desc.data_addr == c.output_buf.dsp_addr + pos  # packed 64-aligned after the table
-            pos = P.align(pos + desc.data_size, 64)
+            pos = layout.align(pos + desc.data_size, 64)
         assert pos == meta["io"]["output_bytes"]
 
 

@@ -10,7 +10,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from dspx import memory, protocol as P
+from dspx.abi import layout
+from dspx import memory
+from dspx.abi import protocol as P
 from dspx.errors import BadAddress
 from dspx.host.client import Client
 from dspx.host.tasks import Tasks
@@ -19,7 +21,7 @@ from conftest import Device
 PEEK = 0x3B01
 OPS = textwrap.dedent("""
     import numpy as np
-    from dspx.device import runtime as rt
+    from dspx.device.core import runtime as rt
 
     @rt.register_op(0x3B01)
     def peek(inp, out, tm):
@@ -157,7 +159,7 @@ def test_the_owner_is_untouched_and_own_kv_region_is_allowed(world):
     assert bytes(owner.staging.mm[:4096]) == PATTERN
     assert owner.kv_view(0, (4096,), np.uint8).tobytes() == PATTERN
     hdr = np.frombuffer(owner.printf_buf.mm, np.uint32, 4)
-    assert hdr[0] == memory.PRINTF_MAGIC
+    assert hdr[0] == layout.PRINTF_MAGIC
     x = np.ones((2, 32), np.float32)
     assert len(owner.infer(w["owner_mod"].handle, [x]).descs) == 7
     # The attacker's *own* KV region is a legal input.

@@ -16,7 +16,7 @@ from tvm import relax  # noqa: E402
 from tvm.relax.frontend.onnx import from_onnx  # noqa: E402
 
 from dspx.compiler import kernel_rewrite  # noqa: E402
-from dspx.device import kernels  # noqa: E402
+from dspx.device.core import kernels  # noqa: E402
 from dspx.compiler import examples  # noqa: E402
 
 kernels.register_all()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tvm  # noqa: E402
-from dspx.device import kernels as K  # noqa: E402
+from dspx.device.core import kernels as K  # noqa: E402
 
 K.register_all()
 RNG = np.random.default_rng(1234)
@@ -175,7 +175,7 @@ def test_blocked_conv_as_first_onnxruntime_use():
     import sys
     code = (
         "import numpy as np, tvm\n"
-        "from dspx.device import kernels as K\n"
+        "from dspx.device.core import kernels as K\n"
         "T = tvm.runtime.tensor\n"
         "o = T(np.zeros((1, 16, 5, 5), np.float32))\n"
         "K.conv2d(T(np.ones((1, 16, 5, 5), np.float32)), T(np.ones((16, 16, 1, 1), np.float32)),"

@@ -10,9 +10,9 @@ import onnxruntime as ort
 import psutil
 import pytest
 
-from dspx.device import exports, loader
-from dspx.device.errors import LoadError, NoMemError, SymbolError, TensorError, WeightsError
-from dspx.protocol import Status
+from dspx.device.core import exports, loader
+from dspx.device.core.errors import LoadError, NoMemError, SymbolError, TensorError, WeightsError
+from dspx.abi.protocol import Status
 
 TOL = 1e-4
 
@@ -32,7 +32,7 @@ def _ort_session(path) -> ort.InferenceSession:
     # Once the kernel library has set up onnxruntime's process-wide pool, every
     # session must be created on it.
     try:
-        from dspx.device.kernels import ort_session_options
+        from dspx.device.core.kernels import ort_session_options
     except ImportError:
         return ort.InferenceSession(str(path))
     return ort.InferenceSession(str(path), ort_session_options())
@@ -52,7 +52,7 @@ def _load(directory, kernel_names=frozenset()):
 
 
 def _kernel_library():
-    from dspx.device import kernels
+    from dspx.device.core import kernels
     kernels.register_all()
     return kernels.names()
 
@@ -263,7 +263,7 @@ def _rss_mb() -> float:
 
 _CYCLES = """
 import json, sys, psutil
-from dspx.device import loader
+from dspx.device.core import loader
 data = open(sys.argv[1], "rb").read()
 rss = []
 for _ in range(50):

@@ -12,9 +12,10 @@ import pytest
 import scipy.special
 
 from dspx.memory import AddressSpace, Region
-from dspx.protocol import Status
-from dspx.device import builtin_ops, ops, runtime as rt
-from dspx.device.errors import OpBusy, OpLoadError, OpSymbolError, UnknownLibrary, UnknownOp
+from dspx.abi import ops as ops_abi
+from dspx.abi.protocol import Status
+from dspx.device.core import builtin_ops, ops, runtime as rt
+from dspx.device.core.errors import OpBusy, OpLoadError, OpSymbolError, UnknownLibrary, UnknownOp
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "softmax" / "softmax_ops.py"
 PARAM_ADDR, DATA_ADDR, OUT_ADDR = 0xC000_0000, 0xC010_0000, 0xD000_0000
@@ -39,12 +40,12 @@ class Device:
         self.out = np.frombuffer(self.maps[OUT_ADDR], np.uint8)
 
     def run(self, cmd, input=None, output=None):
-        input = self.param[:13] if input is None else input
+        input = self.param[:24] if input is None else input
         return self.reg.run(cmd, input, self.out if output is None else output, rt.Task(self.space, self.core))
 
     def softmax(self, cmd: int, tcm: int, n: int | None = None, addr: int = DATA_ADDR):
         n = self.data.size if n is None else n
-        struct.pack_into("<iQB", self.maps[PARAM_ADDR], 0, 4 * n, addr, tcm)
+        pack_param(self.maps[PARAM_ADDR], 4 * n, addr, tcm)
         self.out[:] = 0
         res = self.run(cmd)
         return res, self.out[:4 * n].view(np.float32).copy()
@@ -66,11 +67,19 @@ def ok(_i, _o, _tm):
 
 # ------------------------------------------------------------------ softmax
 
-def test_param_struct_is_the_seeds_packed_layout():
-    assert builtin_ops.SOFTMAX_PARAM.itemsize == struct.calcsize("<iQB") == 13
-    raw = struct.pack("<iQB", 400_000, 0xC000_1000, 1)
-    p = np.frombuffer(raw, builtin_ops.SOFTMAX_PARAM)[0]
-    assert (p["data_size"], p["input"], p["run_tcm_opt"]) == (400_000, 0xC000_1000, 1)
+def pack_param(buf, data_size: int, addr: int, tcm: int) -> None:
+    """hbDSPSoftmaxParam as the seed's C lays it out, offsets written by hand."""
+    struct.pack_into("<i", buf, 0, data_size)
+    struct.pack_into("<Q", buf, 8, addr)
+    struct.pack_into("<B", buf, 16, tcm)
+
+
+def test_param_struct_is_the_seeds_c_layout():
+    raw = bytearray(b"\xee" * 24)  # padding bytes must not matter
+    pack_param(raw, 400_000, 0xC000_1000, 1)
+    assert builtin_ops.SOFTMAX_PARAM.size == 24
+    assert builtin_ops.read_softmax_param(raw) == (400_000, 0xC000_1000, 1)
+    assert ops_abi.softmax_param(400_000, 0xC000_1000, True)[:17] == bytes(raw[:4]) + bytes(4) + bytes(raw[8:17])
 
 
 SIZES = [1, 7, 1000, 100_000, rt.TILE_ELEMS - 1, rt.TILE_ELEMS + 1, 3 * rt.TILE_ELEMS]
@@ -130,15 +139,15 @@ def test_softmax_prints_its_cycles_like_the_seed(dev):
 
 def test_softmax_writes_the_shared_output_buffer_zero_copy(dev):
     dev.data[:] = 0
-    struct.pack_into("<iQB", dev.maps[PARAM_ADDR], 0, 8, DATA_ADDR, 0)
+    pack_param(dev.maps[PARAM_ADDR], 8, DATA_ADDR, 0)
     assert dev.run(builtin_ops.SOFTMAX_CMD).status == 0
     assert struct.unpack_from("<2f", dev.maps[OUT_ADDR], 0) == (0.5, 0.5)
 
 
 def test_softmax_refuses_bad_parameters(dev):
     cmd = builtin_ops.SOFTMAX_CMD
-    r = dev.run(cmd, input=dev.param[:12])
-    assert (r.status, r.return_value) == (0, Status.ERR_SIZE) and "13" in r.printf
+    r = dev.run(cmd, input=dev.param[:23])
+    assert (r.status, r.return_value) == (0, Status.ERR_SIZE) and "24" in r.printf
     struct.pack_into("<iQB", dev.maps[PARAM_ADDR], 0, 6, DATA_ADDR, 0)
     assert dev.run(cmd).return_value == Status.ERR_INVALID
     struct.pack_into("<iQB", dev.maps[PARAM_ADDR], 0, -4, DATA_ADDR, 0)
@@ -180,7 +189,7 @@ def test_unknown_cmd_is_err_op(dev):
 LIB = """
 import numpy as np
 import math
-from dspx.device.runtime import register_op, printf, Status
+from dspx.device.core.runtime import register_op, printf, Status
 
 @register_op(0x3001, latency_us=250)
 def fill(input, output, tm):
@@ -201,7 +210,7 @@ def returns(input, output, tm):
 
 @register_op(0x3004)
 def leaks(input, output, tm):
-    from dspx.device.runtime import dma
+    from dspx.device.core.runtime import dma
     tile = tm.alloc(4096, 0)
     dma.copy(0, np.zeros(4096, np.uint8), tile, 4096)
     return 0
@@ -274,12 +283,12 @@ def test_example_library_loads_and_names_its_op(dev):
     ("import os\n", "os", 1),
     ("import numpy\nimport subprocess as sp\n", "subprocess", 2),
     ("from os import path\n", "os.path", 1),
-    ("import numpy.linalg\nfrom dspx.device import ops\n", "dspx.device.ops", 2),
+    ("import numpy.linalg\nfrom dspx.device.core import ops\n", "dspx.device.core.ops", 2),
     ("import dspx\n", "dspx", 1),
     ("from . import runtime\n", ".runtime", 1),
-    ("from dspx.device.runtime import Core\n", "dspx.device.runtime.Core", 1),
-    ("from dspx.device import runtime as rt\n\nx = rt.activate\n", "dspx.device.runtime.activate", 3),
-    ("import dspx.device.runtime\ndspx.device.runtime.Task\n", "dspx.device.runtime.Task", 2),
+    ("from dspx.device.core.runtime import Core\n", "dspx.device.core.runtime.Core", 1),
+    ("from dspx.device.core import runtime as rt\n\nx = rt.activate\n", "dspx.device.core.runtime.activate", 3),
+    ("import dspx.device.core.runtime\ndspx.device.core.runtime.Task\n", "dspx.device.core.runtime.Task", 2),
     ("from numpy import *\n", "numpy.*", 1),
     ("x = 1\nm = __import__('os')\n", "__import__", 2),
     ("f = open('/etc/passwd')\n", "open", 1),
@@ -299,10 +308,10 @@ def test_refused_imports_and_names_are_err_symbol(dev, src, symbol, line):
 
 def test_allowed_imports(dev):
     src = ("import math\nimport numpy as np\nimport numpy.linalg\nfrom numpy import float32\n"
-           "import dspx.device.runtime\nfrom dspx.device import runtime as rt\n"
-           "from dspx.device.runtime import register_op, vecmax\n"
+           "import dspx.device.core.runtime\nfrom dspx.device.core import runtime as rt\n"
+           "from dspx.device.core.runtime import register_op, vecmax\n"
            "rt.register_op(0x3100, lambda i, o, tm: 0)\n"
-           "dspx.device.runtime.register_op(0x3101, lambda i, o, tm: 0)\n")
+           "dspx.device.core.runtime.register_op(0x3101, lambda i, o, tm: 0)\n")
     dev.reg.load_library(src, "ok.py")
     assert 0x3100 in dev.reg and 0x3101 in dev.reg
 
@@ -322,7 +331,7 @@ def test_errors_while_the_top_level_runs_are_err_load_with_line(dev):
         dev.reg.load_library("import numpy.not_a_module\n", "nm.py")
     assert ei.value.line == 1 and "not_a_module" in str(ei.value)
     with pytest.raises(OpLoadError) as ei:
-        dev.reg.load_library("from dspx.device.runtime import register_op\nregister_op(1 << 32, abs)\n", "r.py")
+        dev.reg.load_library("from dspx.device.core.runtime import register_op\nregister_op(1 << 32, abs)\n", "r.py")
     assert ei.value.line == 2 and "32 bits" in str(ei.value)
 
 
@@ -336,7 +345,7 @@ def test_library_without_ops_or_not_utf8_is_err_load(dev):
 
 
 def test_duplicate_cmd_refuses_the_whole_library(dev):
-    src = ("from dspx.device.runtime import register_op\n"
+    src = ("from dspx.device.core.runtime import register_op\n"
            "register_op(0x3200, lambda i, o, tm: 0)\n"
            "register_op(0x1402, lambda i, o, tm: 0)\n")
     before = dev.reg.ops()
@@ -348,7 +357,7 @@ def test_duplicate_cmd_refuses_the_whole_library(dev):
     with pytest.raises(OpBusy, match=f"op library {h}"):
         dev.reg.load_library(LIB.replace("0x3002", "0x3999"), "lib2.py")
     assert 0x3999 not in dev.reg
-    same = "from dspx.device.runtime import register_op\nregister_op(7, abs)\nregister_op(7, abs)\n"
+    same = "from dspx.device.core.runtime import register_op\nregister_op(7, abs)\nregister_op(7, abs)\n"
     with pytest.raises(OpBusy):
         dev.reg.load_library(same, "same.py")
     assert 7 not in dev.reg
@@ -364,9 +373,9 @@ def test_device_chosen_handles(dev):
 
 
 def test_tracebacks_show_each_librarys_own_source(dev):
-    a = ("from dspx.device.runtime import register_op\n"
+    a = ("from dspx.device.core.runtime import register_op\n"
          "def f(i, o, tm):\n    raise KeyError('from library a')\nregister_op(0x3300, f)\n")
-    b = ("from dspx.device.runtime import register_op\n"
+    b = ("from dspx.device.core.runtime import register_op\n"
          "def g(i, o, tm):\n    raise KeyError('library b line')\nregister_op(0x3301, g)\n")
     ha = dev.reg.load_library(a, "same.py")
     hb = dev.reg.load_library(b, "same.py")

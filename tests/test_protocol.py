@@ -4,8 +4,9 @@ import struct
 
 import pytest
 
-from dspx import protocol as P
-from dspx.protocol import Status
+from dspx.abi import layout
+from dspx.abi import protocol as P
+from dspx.abi.protocol import Status
 
 # (class, request type code, total size, [(offset, struct fmt, field, value)])
 LAYOUTS = [
@@ -101,9 +102,9 @@ def test_io_meta_layout():
 def test_io_meta_worked_example_from_spec():
     """SPEC §5: SmolLM-135M prefill (ids, positions (1,64) int64 + 60 KV (1,3,256,64) f32)."""
     kv = 3 * 256 * 64 * 4
-    assert P.IoMeta.side_bytes([64 * 8, 64 * 8] + [kv] * 60) == 11_802_496
-    assert P.IoMeta.side_bytes([64 * 49152 * 4] + [kv] * 60) == 24_384_320
-    assert P.IoMeta.side_bytes([64 * 49152 * 4]) == 12_583_040
+    assert layout.side_bytes([64 * 8, 64 * 8] + [kv] * 60) == 11_802_496
+    assert layout.side_bytes([64 * 49152 * 4] + [kv] * 60) == 24_384_320
+    assert layout.side_bytes([64 * 49152 * 4]) == 12_583_040
 
 
 def test_infer_with_inline_descriptors():

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from dspx.memory import L2_SIZE, AddressError, AddressSpace, Region
-from dspx.protocol import Status
-from dspx.device import runtime as rt
-from dspx.device.errors import DmaError, DmaTimeout, MapError, RuntimeMisuse, TileExhausted
+from dspx.abi.protocol import Status
+from dspx.device.core import runtime as rt
+from dspx.device.core.errors import DmaError, DmaTimeout, MapError, RuntimeMisuse, TileExhausted
 
 BASE = 0xC000_0000
 

@@ -18,7 +18,7 @@ from conftest import Device
 # parallel cores prove separate interpreters), and a recorder of start order.
 TEST_OPS = textwrap.dedent("""
     import numpy as np
-    from dspx.device import runtime as rt
+    from dspx.device.core import runtime as rt
 
     _order = [0]
 
@@ -83,7 +83,7 @@ def test_softmax_direct_and_tiled_match_scipy(ucp, n):
     data = ucp.malloc(4 * n)
     x = data.view(np.float32)
     x[:] = np.random.default_rng(n).standard_normal(n).astype(np.float32) * 4
-    param, out_d, out_t = ucp.malloc(13), ucp.malloc(4 * n), ucp.malloc(4 * n)
+    param, out_d, out_t = ucp.malloc(24), ucp.malloc(4 * n), ucp.malloc(4 * n)
     softmax_param(param, data, n, tiled=False)
     t1 = ucp.run(SOFTMAX_CMD, param, out_d)
     softmax_param(param, data, n, tiled=True)
@@ -96,12 +96,12 @@ def test_softmax_direct_and_tiled_match_scipy(ucp, n):
     assert "cycles" in t1.printf and "ping-pong" in t2.printf
 
 
-def test_param_struct_is_the_seeds_packed_layout(ucp):
-    p, data = ucp.malloc(13), ucp.malloc(64)
+def test_param_struct_is_the_seeds_c_layout(ucp):
+    p, data = ucp.malloc(24), ucp.malloc(64)
     softmax_param(p, data, 16, tiled=True)
-    raw = bytes(p.vir[:13])
+    raw = bytes(p.vir[:24])
     assert raw[:4] == (64).to_bytes(4, "little")
-    assert raw[4:12] == data.phy.to_bytes(8, "little") and raw[12] == 1
+    assert raw[8:16] == data.phy.to_bytes(8, "little") and raw[16] == 1
 
 
 def test_several_tasks_in_flight_and_pinned_cores(ucp, test_lib):
@@ -189,23 +189,23 @@ def test_unknown_cmd_and_bad_core(ucp):
     with pytest.raises(UnknownOp):
         ucp.run(0x7777, ucp.malloc(4), ucp.malloc(4))
     with pytest.raises(Exception) as e:
-        ucp.run(SOFTMAX_CMD, ucp.malloc(13), ucp.malloc(4), core=5)
+        ucp.run(SOFTMAX_CMD, ucp.malloc(24), ucp.malloc(4), core=5)
     assert e.value.status_name == "ERR_INVALID"
 
 
 def test_op_library_refusals(ucp):
     with pytest.raises(MissingSymbol, match="os"):
-        ucp.load_ops("import os\nfrom dspx.device import runtime as rt\n")
+        ucp.load_ops("import os\nfrom dspx.device.core import runtime as rt\n")
     with pytest.raises(ModuleLoadError) as e:
-        ucp.load_ops("from dspx.device import runtime as rt\n\ndef f(:\n    pass\n")
+        ucp.load_ops("from dspx.device.core import runtime as rt\n\ndef f(:\n    pass\n")
     assert e.value.error_line == 3 and "line 3" in str(e.value)
     with pytest.raises(Busy, match="0x1402"):
-        ucp.load_ops("from dspx.device import runtime as rt\nrt.register_op(0x1402, lambda i, o, t: 0)\n")
+        ucp.load_ops("from dspx.device.core import runtime as rt\nrt.register_op(0x1402, lambda i, o, t: 0)\n")
     assert [o["cmd"] for o in ucp.ops()].count(0x1402) == 1
 
 
 def test_unload_unregisters(ucp):
-    src = "from dspx.device import runtime as rt\nrt.register_op(0x3100, lambda i, o, t: 5)\n"
+    src = "from dspx.device.core import runtime as rt\nrt.register_op(0x3100, lambda i, o, t: 5)\n"
     h, n = ucp.load_ops(src)
     assert n == 1 and ucp.run(0x3100, ucp.malloc(4), ucp.malloc(4)).return_value == 5
     ucp.unload_ops(h)
@@ -237,7 +237,7 @@ def test_loaded_library_softmax_matches_builtin(dev2):
         n = 10_001
         data = u.malloc(4 * n)
         data.view(np.float32)[:] = np.linspace(-5, 5, n, dtype=np.float32)
-        p, o1, o2 = u.malloc(13), u.malloc(4 * n), u.malloc(4 * n)
+        p, o1, o2 = u.malloc(24), u.malloc(4 * n), u.malloc(4 * n)
         softmax_param(p, data, n, tiled=True)
         u.run(SOFTMAX_CMD, p, o1)
         u.run(0x2402, p, o2)
@@ -246,7 +246,7 @@ def test_loaded_library_softmax_matches_builtin(dev2):
 
 def test_op_library_over_the_size_limit_is_err_size(ucp):
     from dspx.errors import OutputTooSmall
-    big = "from dspx.device import runtime as rt\n" + "#" * (200 << 10) + "\n"
+    big = "from dspx.device.core import runtime as rt\n" + "#" * (200 << 10) + "\n"
     with pytest.raises(OutputTooSmall, match="131072"):
         ucp.load_ops(big)
-    assert ucp.run(SOFTMAX_CMD, ucp.malloc(13), ucp.malloc(4)).state == "released"
+    assert ucp.run(SOFTMAX_CMD, ucp.malloc(24), ucp.malloc(4)).state == "released"

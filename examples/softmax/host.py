@@ -34,7 +34,7 @@ def main() -> int:
         input_data = ucp.malloc(size * 4)                        # hbUCPMalloc + hbDSPAddrMap
         input_data.view(np.float32)[:] = 1 + np.arange(size, dtype=np.float32) / np.float32(size)
         output_mem, output_opt_mem = ucp.malloc(size * 4), ucp.malloc(size * 4)
-        input_mem = ucp.malloc(13)                               # the packed hbDSPSoftmaxParam
+        input_mem = ucp.malloc(24)                               # the packed hbDSPSoftmaxParam
 
         softmax_param(input_mem, input_data, size, tiled=False)  # run without ping-pong
         direct = ucp.run(cmd, input_mem, output_mem, core=0, priority=0)

@@ -2,17 +2,18 @@
 
 Load it into a running device (``dspx load-ops examples/softmax/softmax_ops.py``
 or ``OpRegistry.load_library``); it may import only numpy, math and the
-runtime's export table.  The input buffer holds the UCP sample's packed
-parameter struct ``int32 data_size; uint64 input; uint8 run_tcm_opt``
-(``<iQB``, 13 bytes, data_size in bytes); the output buffer receives the
+runtime's export table.  The input buffer holds the UCP sample's
+parameter struct ``int32 data_size; uint64 input; uint8 run_tcm_opt`` as C
+lays it out (24 bytes, data_size in bytes); the output buffer receives the
 softmax of the float32 array at DSP address ``input``.
 """
 import numpy as np
 
-from dspx.device.runtime import (Status, cycles, mem_map, mem_unmap, ping_pong, printf, register_op,
-                                 vecexp_max, vecmax, vecmul)
+from dspx.device.core.runtime import (Status, cycles, mem_map, mem_unmap, ping_pong, printf, register_op,
+                                      vecexp_max, vecmax, vecmul)
 
-PARAM = np.dtype([("data_size", "<i4"), ("input", "<u8"), ("run_tcm_opt", "u1")])  # packed, 13 bytes
+PARAM = np.dtype({"names": ["data_size", "input", "run_tcm_opt"], "formats": ["<i4", "<u8", "u1"],
+                  "offsets": [0, 8, 16], "itemsize": 24})  # C layout, 24 bytes
 
 
 @register_op(0x2402, latency_us=0)

@@ -7,7 +7,7 @@
     out = vm["main"](x)
 """
 from .errors import DeviceError, DspxError  # noqa: F401
-from .protocol import VERSION  # noqa: F401
+from .abi.protocol import VERSION  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import errno
 
-from .protocol import Status
+from .abi.protocol import Status
 
 
 class DspxError(Exception):
@@ -22,7 +22,7 @@ class DeviceTimeout(DspxError, TimeoutError):
 
 class VersionMismatch(DspxError):
     def __init__(self, host: int, device: int):
-        from .protocol import version_str
+        from .abi.protocol import version_str
         super().__init__(f"protocol major version mismatch: host speaks {version_str(host)}, "
                          f"device speaks {version_str(device)}")
         self.host, self.device = host, device

@@ -42,9 +42,6 @@ SYNC_END = 4
 # SIGBUS in the device).
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
-# printf ring header: magic u32, write index u32, size u32, reserved u32
-PRINTF_MAGIC = 0x544E5250  # b"PRNT"
-PRINTF_HEADER = 16
 
 
 class AddressError(ValueError):

@@ -15,7 +15,7 @@ import socket
 import struct
 import time
 
-from .protocol import MAX_MSG
+from .abi.protocol import MAX_MSG
 
 # Plain ints: socket's IntFlag members go through enum machinery on every use.
 _TRUNC = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)

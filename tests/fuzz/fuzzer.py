@@ -41,8 +41,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspx import memory, protocol as P
-from dspx.protocol import MsgType as T, Status
+from dspx.abi import layout
+from dspx import memory
+from dspx.abi import protocol as P
+from dspx.abi.protocol import MsgType as T, Status
 
 HDR = struct.Struct("<IIIi")
 U32 = 0xFFFFFFFF
@@ -177,7 +179,7 @@ _RANGES = {"I": (0, U32), "i": (-(1 << 31), (1 << 31) - 1), "Q": (0, U64), "q": 
 
 GARBAGE_SOURCES = [
     b"", b"\x00" * 64, b"\xff\xfe\xfd", b"import os\n", b"def f(:\n", b"x = 1\n" * 100,
-    b"from dspx.device import runtime as rt\nrt.register_op(0x1402, lambda i, o, t: 0)\n",
+    b"from dspx.device.core import runtime as rt\nrt.register_op(0x1402, lambda i, o, t: 0)\n",
     b"__import__('os')._exit(1)\n", b"open('/etc/passwd')\n", b"raise SystemExit\n",
     b"import numpy\nnumpy.zeros(1 << 60)\n", b"\n" * 4096, "\u00e9\u4e2d".encode() * 100,
 ]
@@ -239,18 +241,18 @@ class Fuzzer:
 
         ib = c.input_buf
         self.mi_descs = []
-        off = P.align(80 * 7, 64)
+        off = layout.align(80 * 7, 64)
         for shape, dt in [((1, 16), "float32"), ((1, 16), "float32"), ((4, 4), "float32"), ((2, 8), "float32"),
                           ((16,), "float32"), ((1, 16), "int64"), ((1,), "float16")]:
             d = P.TensorDesc.for_array(ib.dsp_addr + off, shape, dt)
             self.mi_descs.append(d)
-            off = P.align(off + d.data_size, 64)
+            off = layout.align(off + d.data_size, 64)
         ib.mm[:80 * 7] = P.encode_descs(self.mi_descs)
         self.mo_desc = P.TensorDesc.for_array(ib.dsp_addr + 4096 - 256, (2, 32), "float32")
         # softmax parameter struct in scratch: 64 floats at scratch+1024, output at scratch+4096.
         sc = self.scratch
         np.frombuffer(sc.mm, np.float32, 64, 1024)[:] = np.linspace(-3, 3, 64, dtype=np.float32)
-        struct.pack_into("<iQB", sc.mm, 0, 256, sc.dsp_addr + 1024, 0)
+        struct.pack_into("<i4xQB", sc.mm, 0, 256, sc.dsp_addr + 1024, 0)  # hbDSPSoftmaxParam, C layout
 
     def _reset(self, why: str = "") -> None:
         self.stats.reconnects += 1

@@ -12,7 +12,7 @@ What it does, in order:
 2. replace conv2d (+ bias add, + residual add, + ReLU), max/avg/global pooling,
    matmul/dense (+ bias, + ReLU), softmax, layer_norm and rms_norm with
    ``R.call_dps_packed("dspx.kernels.<name>", ...)`` (attributes are passed as
-   ``R.prim_value`` / ``R.shape`` arguments, see dspx.device.kernels); then
+   ``R.prim_value`` / ``R.shape`` arguments, see dspx.device.core.kernels); then
    mark tensors that only travel from kernel to kernel as blocked, so the
    backend keeps them in its NCHWc layout (no reorder between kernels);
 3. legalize, fuse and schedule the remaining glue: elementwise producers
@@ -20,7 +20,7 @@ What it does, in order:
    parallel over the target's cores when the nest is large.
 
 The kernel names are hard-coded here on purpose: the compiler runs on the
-host and must not import the device package (dspx.device.kernels holds the
+host and must not import the device package (dspx.device.core.kernels holds the
 same list; a test checks they agree).
 """
 from __future__ import annotations
@@ -35,19 +35,11 @@ from tvm import relax, tirx
 
 log = logging.getLogger(__name__)
 
-PREFIX = "dspx.kernels."
-LAYOUT_NCHW, LAYOUT_NHWC = 0, 1
-# Flags or-ed into a layout code: this tensor stays in the kernel backend's
-# private blocked layout (onnxruntime's NCHWc) between two kernels, so no
-# reorder pass over the activations between them. Same shape as NCHW.
-IN_BLOCKED, OUT_BLOCKED, RES_BLOCKED = 4, 8, 16
-# where each kernel's layout code sits in its argument list, and which
-# argument positions may take a blocked tensor
-_LAYOUT_ARG = {"conv2d": 7, "conv2d_add": 8, "max_pool2d": 6, "global_avg_pool2d": 1}
-_BLOCKED_ARGS = {"conv2d": {0: IN_BLOCKED}, "conv2d_add": {0: IN_BLOCKED, 3: RES_BLOCKED},
-                 "max_pool2d": {0: IN_BLOCKED}, "global_avg_pool2d": {0: IN_BLOCKED}}
-_BLOCK_MULTIPLE = 16  # channels of a blocked tensor: a multiple of every NCHWc block size
-ACT_NONE, ACT_RELU = 0, 1
+from dspx.abi.kernels import (ACT_NONE, ACT_RELU, BLOCK_MULTIPLE, BLOCKED_ARGS, IN_BLOCKED,  # noqa: F401
+                              KERNELS, LAYOUT_NCHW, LAYOUT_NHWC, OUT_BLOCKED, PREFIX, RES_BLOCKED)
+
+# where each blocked-capable kernel's layout code sits in its argument list
+_LAYOUT_ARG = {k: KERNELS[k].position("layout") for k in BLOCKED_ARGS}
 
 #: every kernel this pass may emit (subset of the firmware's export table)
 EMITTED = frozenset(PREFIX + n for n in (
@@ -382,7 +374,7 @@ def _block_layouts(m: _Matcher, plans: dict, swallowed: set) -> int:
         if p.args[_LAYOUT_ARG[k]] & 3 != LAYOUT_NCHW:
             continue
         shp = _shape(var)
-        if shp is None or len(shp) != 4 or shp[1] % _BLOCK_MULTIPLE:
+        if shp is None or len(shp) != 4 or shp[1] % BLOCK_MULTIPLE:
             continue
         sites = []
         for cvar, cp in plans.items():
@@ -392,13 +384,13 @@ def _block_layouts(m: _Matcher, plans: dict, swallowed: set) -> int:
                     sites.append((cvar, ck, i))
         if not sites or len(sites) != uses.get(var, 0):
             continue  # something other than a kernel reads it
-        if not all(i in _BLOCKED_ARGS.get(ck, {}) and groups_ok(plans[cv])
+        if not all(i in BLOCKED_ARGS.get(ck, {}) and groups_ok(plans[cv])
                    and plans[cv].args[_LAYOUT_ARG[ck]] & 3 == LAYOUT_NCHW
                    for cv, ck, i in sites):
             continue
         p.args[_LAYOUT_ARG[k]] |= OUT_BLOCKED
         for cv, ck, i in sites:
-            plans[cv].args[_LAYOUT_ARG[ck]] |= _BLOCKED_ARGS[ck][i]
+            plans[cv].args[_LAYOUT_ARG[ck]] |= BLOCKED_ARGS[ck][i]
         n += 1
     return n
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from dspx.compiler.module import (IO_META_NAME, SIGNATURE_NAME, Signature, TensorSpec, export_module,
                                   make_io_meta, write_metadata, write_weights)
-from dspx.protocol import IoMeta, align
+from dspx.abi.layout import align, desc_region, side_bytes
 
 CONTEXT = 256
 CHUNK = 64
@@ -572,8 +572,8 @@ def kv_resident_reserve(sig: Signature) -> dict:
     the KV region, but their descriptors still sit in input_buf) and only the
     first output (logits)."""
     n_in = len(sig.inputs)
-    return {"input_bytes": align(80 * n_in, 64) + sum(align(t.nbytes, 64) for t in sig.inputs[:2]),
-            "output_bytes": IoMeta.side_bytes([sig.outputs[0].nbytes])}
+    return {"input_bytes": desc_region(n_in) + sum(align(t.nbytes) for t in sig.inputs[:2]),
+            "output_bytes": side_bytes([sig.outputs[0].nbytes])}
 
 
 def compiler_digest() -> str:

@@ -1,5 +1,5 @@
 """Writing modules: blobs linked into the ELF, weights files, metadata.json.
-The format itself lives in ``dspx.modformat`` (shared with the device
+The format itself lives in ``dspx.abi.modformat`` (shared with the device
 loader); its names are re-exported here for the compiler's convenience."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 # The format's names, re-exported: the compiler speaks it.
-from dspx.modformat import (ALIGN, IO_META_NAME, IO_META_SYMBOL, METADATA_FILE, MODULE_FILE,  # noqa: F401
+from dspx.abi.modformat import (ALIGN, IO_META_NAME, IO_META_SYMBOL, METADATA_FILE, MODULE_FILE,  # noqa: F401
                             SIGNATURE_FORMAT, SIGNATURE_NAME, SIGNATURE_SYMBOL, WEIGHTS_FILE, WEIGHTS_MAGIC,
                             WEIGHTS_VERSION, IoMeta, Signature, TensorSpec, Weights, WeightsError,
                             WeightTensor, _WHEADER, encode_weights, make_io_meta, read_weights)

@@ -6,7 +6,7 @@ import sys
 
 from .. import memory
 from ..transport import default_socket_path
-from .service import Service
+from .front.service import Service
 
 
 def parse_size(text: str) -> int:

@@ -11,18 +11,18 @@ from __future__ import annotations
 import itertools
 import os
 import socket as _socket
-import struct
 import sys
 import threading
 import time
 import warnings
 from dataclasses import dataclass
 
-from .. import memory, protocol as P
+from .. import memory
+from ..abi import layout, protocol as P
 from ..errors import (CapacityError, CapacityLocked, CapacityWarning, DeviceLost, DeviceTimeout,
                       DspxError, VersionMismatch, device_error)
 from ..memory import DmaBuf
-from ..protocol import Status
+from ..abi.protocol import Status
 from ..transport import PeerClosed, Timeout, TransportError, connect
 from . import launcher
 
@@ -250,20 +250,9 @@ class Client:
 
     def read_printf(self) -> str:
         """Text the device printed since the last call."""
-        b = self.printf_buf
-        if b is None:
+        if self.printf_buf is None:
             return ""
-        magic, widx, size, _ = struct.unpack_from("<IIII", b.mm, 0)
-        if magic != memory.PRINTF_MAGIC:
-            return ""
-        cap = size - memory.PRINTF_HEADER
-        start = self._printf_read
-        base = memory.PRINTF_HEADER
-        if widx >= start:
-            data = b.mm[base + start: base + widx]
-        else:
-            data = b.mm[base + start: base + cap] + b.mm[base: base + widx]
-        self._printf_read = widx
+        data, self._printf_read = layout.ring_read(self.printf_buf.mm, 0, self._printf_read)
         return data.decode("utf-8", errors="replace")
 
     def show_printf(self, nbytes: int, stream=None) -> str:
@@ -346,7 +335,7 @@ class Client:
         old = self.input_buf if side == "input" else self.output_buf
         if side == "input":
             self.input_buf = new
-            self.input_data_offset = max(self.input_data_offset, P.align(80 * num_inputs, 64))
+            self.input_data_offset = max(self.input_data_offset, layout.desc_region(num_inputs))
             self._create_input_end = self.input_data_offset
         else:
             self.output_buf = new
@@ -369,7 +358,7 @@ class Client:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         if self.input_buf is None:
             raise CapacityError(nbytes, 0, "create_input")
-        off = P.align(self._create_input_end, 64)
+        off = layout.align(self._create_input_end)
         if off + nbytes > self.input_buf.size:
             raise CapacityError(off + nbytes, self.input_buf.size, "create_input")
         arr = self.input_buf.array(off, shape, dt)
@@ -398,7 +387,7 @@ class Client:
             raise CapacityError(sum(a.nbytes for a in inputs), self.input_capacity, "inference")
         kv = {i: (off, shape, dt) for i, off, shape, dt in kv_inputs}
         n = len(inputs) + len(kv)
-        desc_region = P.align(80 * n, 64)
+        desc_region = layout.desc_region(n)
         if desc_region > self.input_data_offset and self._create_input_end > self.input_data_offset:
             raise CapacityError(desc_region, self.input_data_offset, "descriptor region")
         pos = max(desc_region, self._create_input_end)
@@ -414,7 +403,7 @@ class Client:
             a = next(it)
             off = self.in_input_buf(a)
             if off is None:
-                off = P.align(pos, 64)
+                off = layout.align(pos)
                 pos = off + a.nbytes
                 copies.append((off, a))
             descs.append(P.TensorDesc.for_array(base + off, a.shape, a.dtype.name))

@@ -272,7 +272,7 @@ def _diff(a: Traffic, b: Traffic) -> Traffic:
 
 
 def _max_inline() -> int:
-    from ..protocol import MAX_INLINE_INPUTS
+    from ..abi.protocol import MAX_INLINE_INPUTS
     return MAX_INLINE_INPUTS
 
 

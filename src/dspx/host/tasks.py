@@ -4,7 +4,7 @@ The Horizon UCP flow (seed ``ucp-dsp-custom-operator``), one call each:
 
     with Tasks() as ucp:                       # hbUCP… on a (private) device
         data = ucp.malloc(4 * n)               # hbUCPMalloc + hbDSPAddrMap
-        param = ucp.malloc(13)
+        param = ucp.malloc(24)                 # hbDSPSoftmaxParam
         out = ucp.malloc(4 * n)
         task = ucp.rpc(0x1402, param, out)     # hbDSPRpcV2
         ucp.submit(task, core=ANY, priority=0) # hbUCPSubmitTask
@@ -15,20 +15,19 @@ Several tasks may be in flight at once; responses are matched by seq.
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from .. import memory, protocol as P
+from .. import memory
+from ..abi import protocol as P
+from ..abi import ops
+from ..abi.ops import SOFTMAX_CMD, SOFTMAX_PARAM  # noqa: F401  (re-exported for the UCP flow)
 from ..errors import DspxError
 from .client import Client
 
 ANY = P.CORE_ANY
-SOFTMAX_CMD = 0x1402
-# The seed's hbDSPSoftmaxParam, packed: int32 data_size (bytes); uint64 input; uint8 run_tcm_opt
-SOFTMAX_PARAM = struct.Struct("<iQB")
 
 
 @dataclass
@@ -180,5 +179,5 @@ class Tasks:
 
 
 def softmax_param(mem: Mem, data: Mem, n: int, tiled: bool) -> None:
-    """Fill the seed's packed hbDSPSoftmaxParam into ``mem``."""
-    SOFTMAX_PARAM.pack_into(mem.buf.mm, 0, 4 * n, data.phy, 1 if tiled else 0)
+    """Fill the seed's hbDSPSoftmaxParam (24 bytes) into ``mem``."""
+    mem.buf.mm[:SOFTMAX_PARAM.size] = ops.softmax_param(4 * n, data.phy, tiled)

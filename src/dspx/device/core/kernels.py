@@ -34,22 +34,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-PREFIX = "dspx.kernels."
-
-# Attribute encodings shared with dspx.compiler.kernel_rewrite.
-LAYOUT_NCHW = 0
-LAYOUT_NHWC = 1
-ACT_NONE = 0
-ACT_RELU = 1
-# Flags or-ed into a layout code (see kernel_rewrite): the tensor is in the
-# backend's private blocked layout (onnxruntime NCHWc; same shape as NCHW,
-# channels a multiple of 16). Other backends keep blocked tensors plain NCHW,
-# which is self-consistent because one backend serves a whole module.
-IN_BLOCKED = 4
-OUT_BLOCKED = 8
-RES_BLOCKED = 16
-ROPE_HALF = 0  # rotate-half (HF Llama / NeoX)
-ROPE_INTERLEAVED = 1  # pairs (2i, 2i+1) (GPT-J / GGUF "normal")
+from ...abi.kernels import (ACT_NONE, ACT_RELU, IN_BLOCKED, KERNELS as ABI, LAYOUT_NCHW,  # noqa: F401
+                           LAYOUT_NHWC, OUT_BLOCKED, PREFIX, RES_BLOCKED, ROPE_HALF, ROPE_INTERLEAVED)
 
 
 class KernelError(ValueError):
@@ -74,12 +60,17 @@ class KernelSpec:
 KERNELS: dict[str, KernelSpec] = {}
 
 
-def _kernel(short: str, inputs: str, attrs: str, outputs: str, backend: str):
+def _kernel(short: str, backend: str):
+    """Implement the ABI's kernel ``short``; its parameters must be the ABI's arguments."""
+    abi = ABI[short]
+
     def deco(fn):
+        params = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+        if params != abi.args:
+            raise TypeError(f"kernel {short}{params} does not match its ABI {abi.args}")
         name = PREFIX + short
-        KERNELS[name] = KernelSpec(
-            name, fn, tuple(inputs.split()), tuple(attrs.split()), tuple(outputs.split()),
-            backend, (fn.__doc__ or "").strip())
+        KERNELS[name] = KernelSpec(name, fn, abi.inputs, abi.attrs, abi.outputs, backend,
+                                   (fn.__doc__ or "").strip())
         return fn
     return deco
 
@@ -524,8 +515,7 @@ def _conv_nchwc(x, w, b, res, strides, pads, dil, groups, act, flags, out):
     op([x] if res is None else [x, res], out)
 
 
-@_kernel("conv2d", "data weight bias", "strides padding dilation groups layout act", "out",
-         "torch oneDNN (prepacked weights) | numpy im2col")
+@_kernel("conv2d", "torch oneDNN (prepacked weights) | numpy im2col")
 def conv2d(data, weight, bias, strides, padding, dilation, groups, layout, act, out):
     """2-D convolution, out = act(conv(data, weight) + bias).
 
@@ -536,8 +526,7 @@ def conv2d(data, weight, bias, strides, padding, dilation, groups, layout, act, 
     _conv2d_impl(data, weight, bias, None, strides, padding, dilation, groups, layout, act, out)
 
 
-@_kernel("conv2d_add", "data weight bias residual", "strides padding dilation groups layout act",
-         "out", "torch oneDNN (sum post-op, in place) | numpy im2col")
+@_kernel("conv2d_add", "torch oneDNN (sum post-op, in place) | numpy im2col")
 def conv2d_add(data, weight, bias, residual, strides, padding, dilation, groups, layout, act, out):
     """Convolution with a fused residual: out = act(conv(data, weight) + bias + residual).
 
@@ -661,22 +650,20 @@ def _pool_nchwc(x, pool, strides, pads, dil, ceil, flags, out):
     op([np.ascontiguousarray(x)], out)
 
 
-@_kernel("max_pool2d", "data", "pool strides padding dilation ceil_mode layout", "out",
-         "torch (channels_last) | numpy")
+@_kernel("max_pool2d", "torch (channels_last) | numpy")
 def max_pool2d(data, pool, strides, padding, dilation, ceil_mode, layout, out):
     """Max pooling. pool (kh, kw); padding (top, left, bottom, right); layout 0 NCHW / 1 NHWC."""
     _pool_impl("max", data, pool, strides, padding, dilation, ceil_mode, False, layout, out)
 
 
-@_kernel("avg_pool2d", "data", "pool strides padding dilation ceil_mode count_include_pad layout",
-         "out", "torch (channels_last) | numpy")
+@_kernel("avg_pool2d", "torch (channels_last) | numpy")
 def avg_pool2d(data, pool, strides, padding, dilation, ceil_mode, count_include_pad, layout, out):
     """Average pooling; count_include_pad 0/1 as in ONNX AveragePool."""
     _pool_impl("avg", data, pool, strides, padding, dilation, ceil_mode, count_include_pad,
                layout, out)
 
 
-@_kernel("global_avg_pool2d", "data", "layout", "out", "numpy")
+@_kernel("global_avg_pool2d", "numpy")
 def global_avg_pool2d(data, layout, out):
     """Mean over the spatial axes; out (N,C,1,1) for NCHW or (N,1,1,C) for NHWC (any shape with
     the same element count is accepted, e.g. the flattened (N,C))."""
@@ -707,7 +694,7 @@ def _act_inplace(y: np.ndarray, act: int) -> None:
         np.maximum(y, 0, out=y)
 
 
-@_kernel("dense", "data weight bias", "trans_b act", "out", "onnxruntime Gemm | numpy/OpenBLAS")
+@_kernel("dense", "onnxruntime Gemm | numpy/OpenBLAS")
 def dense(data, weight, bias, trans_b, act, out):
     """Fully connected: out = act(data @ W + bias).
 
@@ -752,7 +739,7 @@ def _dense_op(w, b, trans_b, act, x_shape):
     return _OrtOp(nodes, [("x", x_shape)], (last, (x_shape[0], n)), {"w": w, "b": b})
 
 
-@_kernel("matmul", "a b", "trans_b", "out", "numpy/OpenBLAS")
+@_kernel("matmul", "numpy/OpenBLAS")
 def matmul(a, b, trans_b, out):
     """(Batched, broadcasting) matmul as numpy.matmul: out = a @ (b or b^T on the last two axes).
 
@@ -909,20 +896,19 @@ def _qgemv(kind, data, qweight, scales, mins, block, out):
     op(x2, o.reshape(-1, n))
 
 
-@_kernel("gemv_q8", "data qweight scales", "block", "out", "onnxruntime MatMulNBits | numpy")
+@_kernel("gemv_q8", "onnxruntime MatMulNBits | numpy")
 def gemv_q8(data, qweight, scales, block, out):
     """out = data @ dequant(W)^T with int8 W (N, K), scales (N, K/block) (block=K: per row)."""
     _qgemv("q8", data, qweight, scales, None, block, out)
 
 
-@_kernel("gemv_q4", "data qweight scales", "block", "out", "onnxruntime MatMulNBits | numpy")
+@_kernel("gemv_q4", "onnxruntime MatMulNBits | numpy")
 def gemv_q4(data, qweight, scales, block, out):
     """4-bit blocks, w = (q - 8) * scale; qweight uint8 (N, K/2) low nibble first."""
     _qgemv("q4", data, qweight, scales, None, block, out)
 
 
-@_kernel("gemv_q4_1", "data qweight scales mins", "block", "out",
-         "onnxruntime MatMulNBits | numpy")
+@_kernel("gemv_q4_1", "onnxruntime MatMulNBits | numpy")
 def gemv_q4_1(data, qweight, scales, mins, block, out):
     """4-bit blocks with a minimum, w = q * scale + min (Q4_1-like)."""
     _qgemv("q4_1", data, qweight, scales, mins, block, out)
@@ -930,7 +916,7 @@ def gemv_q4_1(data, qweight, scales, mins, block, out):
 
 # ---------------------------------------------------------------- normalisation, activations
 
-@_kernel("softmax", "data", "axis", "out", "numpy")
+@_kernel("softmax", "numpy")
 def softmax(data, axis, out):
     """Softmax along axis (negative counts from the end); exact exp, no fast math."""
     x, o = _np(data), _np(out)
@@ -940,7 +926,7 @@ def softmax(data, axis, out):
     o /= o.sum(axis=ax, keepdims=True)
 
 
-@_kernel("rmsnorm", "data weight", "eps", "out", "numpy")
+@_kernel("rmsnorm", "numpy")
 def rmsnorm(data, weight, eps, out):
     """out = data / sqrt(mean(data^2, last axis) + eps) * weight."""
     x, w, o = _np(data), _np(weight), _np(out)
@@ -949,7 +935,7 @@ def rmsnorm(data, weight, eps, out):
     o *= w
 
 
-@_kernel("layernorm", "data gamma beta", "eps", "out", "numpy")
+@_kernel("layernorm", "numpy")
 def layernorm(data, gamma, beta, eps, out):
     """out = (data - mean) / sqrt(var + eps) * gamma + beta over the last axis."""
     x, g, b, o = _np(data), _np(gamma), _np(beta), _np(out)
@@ -961,7 +947,7 @@ def layernorm(data, gamma, beta, eps, out):
     o += b
 
 
-@_kernel("silu_mul", "gate up", "", "out", "numpy")
+@_kernel("silu_mul", "numpy")
 def silu_mul(gate, up, out):
     """out = silu(gate) * up = gate * sigmoid(gate) * up (the SwiGLU MLP middle)."""
     g, u, o = _np(gate), _np(up), _np(out)
@@ -987,7 +973,7 @@ def _rope_table(theta: float, dim: int, npos: int):
     return t
 
 
-@_kernel("rope", "data positions", "theta mode", "out", "numpy")
+@_kernel("rope", "numpy")
 def rope(data, positions, theta, mode, out):
     """Rotary position embedding on data (..., S, H, D) with positions int (S,).
 
@@ -1012,7 +998,7 @@ def rope(data, positions, theta, mode, out):
     o1[...] = r1
 
 
-@_kernel("attention_decode", "q k_cache v_cache", "length scale", "out", "numpy/OpenBLAS")
+@_kernel("attention_decode", "numpy/OpenBLAS")
 def attention_decode(q, k_cache, v_cache, length, scale, out):
     """One decode step of grouped-query attention over a KV cache.
 
@@ -1035,7 +1021,7 @@ def attention_decode(q, k_cache, v_cache, length, scale, out):
     np.matmul(s, v[:, :, :n], out=o.reshape(bsz, hkv, hq // hkv, d))
 
 
-@_kernel("kv_update", "cache new", "pos", "out", "numpy")
+@_kernel("kv_update", "numpy")
 def kv_update(cache, new, pos, out):
     """out = cache with ``new`` written at positions pos.. along axis -2.
 

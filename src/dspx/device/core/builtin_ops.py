@@ -1,11 +1,8 @@
 """Firmware operators, registered before the service starts.
 
 softmax (cmd 0x1402) is the UCP sample operator: its input buffer holds the
-packed parameter struct ``int32 data_size; uint64 input; uint8 run_tcm_opt``
-(13 bytes, ``<iQB``; data_size in bytes), ``input`` is the DSP address of
-the float32 data, and the output buffer receives softmax(data).
-``run_tcm_opt`` 0 computes over DDR directly, 1 streams the data through the
-two L2 banks (ping-pong DMA).  Written only against the runtime's export
+seed's ``hbDSPSoftmaxParam`` (24 bytes, see ``dspx.abi.ops``) and the output
+buffer receives softmax(data).  Written only against the runtime's export
 table, like an op library.
 """
 from __future__ import annotations
@@ -14,12 +11,10 @@ import math
 
 import numpy as np
 
+from ...abi.ops import SOFTMAX_CMD, SOFTMAX_LATENCY_US, SOFTMAX_PARAM, read_softmax_param
 from .runtime import (TILE_ELEMS, Status, cycles, mem_map, mem_unmap, ping_pong, printf, vecexp_max,
                       vecmax, vecmul)
 
-SOFTMAX_CMD = 0x1402
-SOFTMAX_LATENCY_US = 0
-SOFTMAX_PARAM = np.dtype([("data_size", "<i4"), ("input", "<u8"), ("run_tcm_opt", "u1")])  # packed
 
 
 def softmax_direct(src: np.ndarray, dst: np.ndarray) -> None:
@@ -65,12 +60,11 @@ def softmax_ping_pong(src: np.ndarray, dst: np.ndarray, tm, tile_elems: int = TI
 
 
 def softmax(input: np.ndarray, output: np.ndarray, tm) -> int:
-    if input.nbytes < SOFTMAX_PARAM.itemsize:
+    if input.nbytes < SOFTMAX_PARAM.size:
         printf("softmax: input holds %d bytes, the parameter struct needs %d\n",
-               input.nbytes, SOFTMAX_PARAM.itemsize)
+               input.nbytes, SOFTMAX_PARAM.size)
         return Status.ERR_SIZE
-    p = np.frombuffer(input, SOFTMAX_PARAM, count=1)[0]
-    size, addr, tcm = int(p["data_size"]), int(p["input"]), int(p["run_tcm_opt"])
+    size, addr, tcm = read_softmax_param(input)
     if size < 0 or size % 4:
         printf("softmax: data_size %d is not a whole number of float32s\n", size)
         return Status.ERR_INVALID

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import memory
-from ..memory import AddressSpace, Region
-from ..protocol import Status
+from ... import memory
+from ...abi import layout
+from ...memory import AddressSpace, Region
+from ...abi.protocol import Status
 from . import builtin_ops, ops, runtime
 
 
@@ -41,7 +42,7 @@ class CoreOps:
         inp = np.frombuffer(bufs[ib], np.uint8, count=isz, offset=ioff)
         out = np.frombuffer(bufs[ob], np.uint8, count=osz, offset=ooff)
         printf = msg.get("printf")
-        limit = printf[2] - memory.PRINTF_HEADER if printf else memory.PRINTF_SIZE - memory.PRINTF_HEADER
+        limit = (printf[2] if printf else memory.PRINTF_SIZE) - layout.PRINTF_HEADER
         task = runtime.Task(space, self.rt, printf_limit=limit)
         res = self.registry.run(msg["cmd"], inp, out, task)
         del inp, out

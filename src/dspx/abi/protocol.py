@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 VERSION = 0x030000  # 3.0.0 as 0xMMmmpp
-SERVICE_NAME = "c7x-compute"
-ENDPOINT = 20
 MAX_MSG = 512
 HEADER = struct.Struct("<IIIi")
 HEADER_SIZE = HEADER.size  # 16
@@ -222,15 +220,6 @@ class IoMeta:
             raise ValueError(f"io_meta version {ver}, expected 1")
         return cls(ni, no, ib, ob, flags, magic, ver, res)
 
-    @staticmethod
-    def side_bytes(tensor_nbytes) -> int:
-        """Descriptor region (80 x count, rounded to 64) + each tensor rounded to 64."""
-        tensor_nbytes = list(tensor_nbytes)
-        return align(80 * len(tensor_nbytes), 64) + sum(align(n, 64) for n in tensor_nbytes)
-
-
-def align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 # ---------------------------------------------------------------- messages
@@ -250,11 +239,6 @@ class Message:
     BODY: ClassVar[struct.Struct] = struct.Struct("<")
     FIELDS: ClassVar[tuple[str, ...]] = ()
     TAIL: ClassVar[str | None] = None  # "descs" | "payload" | None
-
-    def __init_subclass__(cls, **kw):
-        super().__init_subclass__(**kw)
-        if cls.TYPE:
-            _REGISTRY[cls.TYPE] = cls
 
     @classmethod
     def fixed_size(cls) -> int:
@@ -651,10 +635,6 @@ class PoolStatusResp(Message):
 
 
 # ---------------------------------------------------------------- decoding
-
-def response_type(request_type: int) -> int:
-    return RESPONSE_BIT | request_type
-
 
 def message_class(type_code: int) -> type[Message] | None:
     return _REGISTRY.get(type_code)

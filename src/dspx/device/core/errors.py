@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dspx.memory import AddressError
-from dspx.protocol import Status
+from dspx.abi.protocol import Status
 
 
 class DeviceError(Exception):

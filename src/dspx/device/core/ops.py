@@ -4,8 +4,8 @@ An op library is Python source shipped to the running device (the UCP
 ``hb_dsp_register_fn`` flow without reflashing).  Before any of it runs,
 ``load_library`` parses it and checks every import against the export table:
 
-* allowed imports: ``numpy`` and ``numpy.*``, ``math``, ``dspx.device.runtime``
-  (also as ``from dspx.device import runtime``), and from the runtime only
+* allowed imports: ``numpy`` and ``numpy.*``, ``math``, ``dspx.device.core.runtime``
+  (also as ``from dspx.device.core import runtime``), and from the runtime only
   the names in ``runtime.__all__``; anything else is ``ERR_SYMBOL`` naming it;
 * the names ``__import__``, ``__builtins__``, ``open``, ``exec``, ``eval`` and ``compile`` are
   refused (``ERR_SYMBOL``).  This is a guard against mistakes, not a sandbox:
@@ -27,11 +27,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..protocol import Status
+from ...abi.protocol import Status
 from . import runtime
 from .errors import OpBusy, OpLoadError, OpSymbolError, UnknownLibrary, UnknownOp
 
-RUNTIME_MODULE = "dspx.device.runtime"
+RUNTIME_MODULE = "dspx.device.core.runtime"
 ALLOWED_MODULES = ("numpy", "math", RUNTIME_MODULE)
 FORBIDDEN_NAMES = frozenset({"__import__", "__builtins__", "open", "exec", "eval", "compile"})
 EXPORTS = frozenset(runtime.__all__)
@@ -115,10 +115,10 @@ def check_source(tree: ast.Module) -> None:
                                         f"(op libraries may import {', '.join(ALLOWED_MODULES)})", line)
                 elif mod == RUNTIME_MODULE and a.name not in EXPORTS:
                     raise OpSymbolError(full, f"line {line}: {full!r} is not in the runtime's export "
-                                        "table (dspx.device.runtime.__all__)", line)
+                                        "table (dspx.device.core.runtime.__all__)", line)
         elif isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES:
             raise OpSymbolError(node.id, f"line {line}: {node.id!r} is not available to op libraries", line)
-    # runtime.X through an alias, or spelled out as dspx.device.runtime.X
+    # runtime.X through an alias, or spelled out as dspx.device.core.runtime.X
     for node in nodes:
         if isinstance(node, ast.Attribute):
             dotted = _dotted(node.value)
@@ -127,7 +127,7 @@ def check_source(tree: ast.Module) -> None:
                     line = node.lineno
                     full = f"{RUNTIME_MODULE}.{node.attr}"
                     raise OpSymbolError(full, f"line {line}: {full!r} is not in the runtime's export "
-                                        "table (dspx.device.runtime.__all__)", line)
+                                        "table (dspx.device.core.runtime.__all__)", line)
 
 
 def _line_in(tb, filename: str) -> int:

@@ -12,24 +12,17 @@ import mmap
 import os
 import signal
 import socket
-import struct
 import sys
 import time
 import traceback
 
-from .. import memory
-from ..protocol import Status
-from ..transport import Endpoint, PeerClosed
-from . import jobs
+from ...abi import layout
+from ...abi.ops import FAULT_CRASH_CMD, FAULT_INJECTION_ENV
+from ...abi.protocol import Status
+from ...transport import Endpoint, PeerClosed
+from .. import jobs
 
-PRINTF_HDR = struct.Struct("<IIII")
 
-# Fault injection (tests only, off by default): with DSPX_FAULT_INJECTION=1 in
-# the device's environment, every core registers the built-in operator
-# FAULT_CRASH_CMD ("fault.crash") whose handler kills its core process
-# (os._exit(70)), so tests can crash a core through the ordinary RPC path.
-FAULT_INJECTION_ENV = "DSPX_FAULT_INJECTION"
-FAULT_CRASH_CMD = 0xFA01
 
 # Module bytes are loaded once in a forked child before the core maps them
 # (see Core._probe_load); DSPX_LOAD_PROBE=0 turns that off.
@@ -66,8 +59,8 @@ class Core:
     @property
     def ops(self):
         if self._ops is None:
-            from . import ops_host
-            self._ops = ops_host.CoreOps(self)
+            from . import rpc
+            self._ops = rpc.CoreOps(self)
             if os.environ.get(FAULT_INJECTION_ENV) == "1":
                 self._ops.registry.register(FAULT_CRASH_CMD, _fault_crash, 0, "fault.crash")
         return self._ops
@@ -108,21 +101,8 @@ class Core:
         if not text or target is None:
             return 0
         buf_id, off, size = target
-        mm = self.bufs[buf_id]
         data = text.encode("utf-8", "replace")
-        cap = size - memory.PRINTF_HEADER
-        magic, widx, rsize, _ = PRINTF_HDR.unpack_from(mm, off)
-        if magic != memory.PRINTF_MAGIC or rsize != size or widx >= cap:
-            widx = 0  # the host re-initialised (or scribbled on) the ring
-        base = off + memory.PRINTF_HEADER
-        chunk = data[-cap:] if len(data) > cap else data
-        first = min(len(chunk), cap - widx)
-        mm[base + widx: base + widx + first] = chunk[:first]
-        rest = len(chunk) - first
-        if rest:
-            mm[base: base + rest] = chunk[first:]
-        widx = (widx + len(chunk)) % cap
-        PRINTF_HDR.pack_into(mm, off, memory.PRINTF_MAGIC, widx, size, 0)
+        layout.ring_write(self.bufs[buf_id], off, size, data)
         return len(data)
 
     # ---------------------------------------------------------------- jobs

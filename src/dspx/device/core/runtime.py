@@ -1,6 +1,6 @@
 """DSP runtime for custom operators — and the export table of op libraries.
 
-An op library (see ``dspx.device.ops`` and docs/custom-ops.md) may import
+An op library (see ``dspx.device.core.ops`` and docs/custom-ops.md) may import
 numpy, math and this module, and from this module only the names in
 ``__all__``.  Everything a handler needs is here:
 
@@ -32,8 +32,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from ..memory import L2_SIZE, PRINTF_HEADER, PRINTF_SIZE, AddressError
-from ..protocol import Status
+from ...abi.layout import PRINTF_HEADER
+from ...memory import L2_SIZE, PRINTF_SIZE, AddressError
+from ...abi.protocol import Status
 from .errors import DmaError, DmaTimeout, MapError, RuntimeMisuse, TileExhausted
 
 __all__ = [

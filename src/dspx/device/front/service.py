@@ -20,11 +20,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .. import memory, protocol as P
-from ..memory import AddressError, AddressSpace, Region
-from ..protocol import Status
-from ..transport import Endpoint, PeerClosed, Timeout, listen, peer_uid
-from . import jobs
+from ... import memory
+from ...abi import layout, protocol as P
+from ...memory import AddressError, AddressSpace, Region
+from ...abi.protocol import Status
+from ...transport import Endpoint, PeerClosed, Timeout, listen, peer_uid
+from .. import jobs
 
 S = Status
 MAX_PENDING_PER_CONN = 256
@@ -151,7 +152,7 @@ class CoreProc:
         if self.threads:
             env.setdefault("OMP_NUM_THREADS", str(self.threads))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dspx.device.core", "--fd", str(child.fileno()),
+            [sys.executable, "-m", "dspx.device.core.worker", "--fd", str(child.fileno()),
              "--index", str(self.index), "--threads", str(self.threads)],
             pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
         child.close()
@@ -731,12 +732,12 @@ class Service:
     def _h_set_printf_buf(self, conn, req, fds):
         if req.reserved:
             raise Reject(S.ERR_INVALID, "reserved must be zero")
-        if req.printf_size < memory.PRINTF_HEADER + 16:
+        if req.printf_size < layout.PRINTF_MIN_SIZE:
             raise Reject(S.ERR_INVALID, f"printf buffer of {req.printf_size} bytes is too small")
         b, off = self._resolve(conn, req.printf_dsp_addr, req.printf_size, "printf buffer")
         conn.printf = (req.printf_dsp_addr, req.printf_size)
         import struct
-        struct.pack_into("<IIII", b.region.mm, off, memory.PRINTF_MAGIC, 0, req.printf_size, 0)
+        layout.ring_init(b.region.mm, off, req.printf_size)
         return P.SetPrintfBufResp(seq=req.seq)
 
     def _printf_target(self, conn: Conn, used: list):

@@ -23,7 +23,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from dspx.protocol import MAX_NDIM, DType, IoMeta, align
+from dspx.abi.layout import ALIGN, align, side_bytes
+from dspx.abi.protocol import MAX_NDIM, DType, IoMeta
 
 IO_META_NAME = "tvm_dsp_io_meta"
 SIGNATURE_NAME = "dspx_signature"
@@ -33,7 +34,6 @@ SIGNATURE_FORMAT = "dspx-signature/1"
 WEIGHTS_FILE = "weights.bin"
 METADATA_FILE = "metadata.json"
 MODULE_FILE = "model.so"
-ALIGN = 64
 
 
 # ---------------------------------------------------------------- tensors
@@ -63,8 +63,8 @@ class TensorSpec:
 
 def make_io_meta(inputs: list[TensorSpec], outputs: list[TensorSpec]) -> IoMeta:
     """Static shapes only, so the sizes are exact (flags bit 0)."""
-    return IoMeta(len(inputs), len(outputs), IoMeta.side_bytes(t.nbytes for t in inputs),
-                  IoMeta.side_bytes(t.nbytes for t in outputs), IoMeta.FLAG_EXACT)
+    return IoMeta(len(inputs), len(outputs), side_bytes(t.nbytes for t in inputs),
+                  side_bytes(t.nbytes for t in outputs), IoMeta.FLAG_EXACT)
 
 
 # ---------------------------------------------------------------- signature

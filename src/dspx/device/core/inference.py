@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from ..protocol import DType, Status, TensorDesc, align
+from ...abi.layout import ALIGN, align, desc_region
+from ...abi.protocol import DType, Status, TensorDesc
 
-ALIGN = 64
 
 
 class InferFailed(Exception):
@@ -69,7 +69,7 @@ def run(module, weights, job: dict, bufs: dict) -> dict:
     to_kv = outs[1:] if job["kv_resident"] else []
 
     descs = []
-    pos = align(TensorDesc.SIZE * len(to_output), ALIGN)
+    pos = desc_region(len(to_output))
     out_mm = bufs[res_buf]
     for arr in to_output:
         end = pos + arr.nbytes

@@ -22,10 +22,10 @@ from elftools.elf.constants import P_FLAGS
 from elftools.elf.elffile import ELFFile
 from tvm import relax
 
-from dspx import modformat as fmt
-from dspx.device.errors import CallError, LoadError, NoMemError, SymbolError, TensorError, WeightsError
-from dspx.device.exports import check_imports
-from dspx.protocol import IoMeta
+from dspx.abi import modformat as fmt
+from dspx.device.core.errors import CallError, LoadError, NoMemError, SymbolError, TensorError, WeightsError
+from dspx.device.core.exports import check_imports
+from dspx.abi.protocol import IoMeta
 
 # A TVM-exported library carries its module tree (the Relax VM executable and
 # its constants) in this symbol; without it there is nothing to call.
