@@ -112,7 +112,7 @@ def build(force: bool = False) -> Path:
         _run([_cc(), "-shared", "-pthread", "-o", str(tmp / "libdspx.so"), *objs_c,
               "-Wl,-soname,libdspx.so", "-Wl,--no-undefined", "-Wl,-z,defs"], tmp)
         _run([_cxx(), "-shared", "-pthread", "-o", str(tmp / "libdspx++.so"), *objs_cc,
-              "-Wl,-soname,libdspx++.so", "-Wl,--no-undefined", f"-L{tmp}", "-ldspx"], tmp)
+              "-Wl,-soname,libdspx++.so", "-Wl,--no-undefined", "-Wl,-rpath,$ORIGIN", f"-L{tmp}", "-ldspx"], tmp)
         (tmp / "dspx.pc").write_text(_pkgconfig(out))
         (tmp / ".built").write_text("ok\n")
         if out.exists() and force:

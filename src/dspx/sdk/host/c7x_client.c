@@ -18,11 +18,6 @@
 #include "c7x_client.h"
 #include "dspx_internal.h"
 
-typedef struct retired {
-    struct retired *next;
-    dspx_buf_t buf;
-} retired_t;
-
 struct c7x_client {
     dspx_conn_t conn;
     c7x_client_opts_t opts;
@@ -32,7 +27,6 @@ struct c7x_client {
     size_t input_data_offset, create_input_end;
     uint32_t declared_inputs;
     int io_locked;
-    retired_t *retired; /* io buffers replaced after lock: mapped until close */
 };
 
 #define KV_DEFAULT ((size_t)DSPX_WIRE_KV_SIZE)
@@ -86,12 +80,6 @@ DSPX_API void c7x_client_close(c7x_client_t *c) {
     dspx_buf_release(&c->staging);
     dspx_buf_release(&c->input_buf);
     dspx_buf_release(&c->output_buf);
-    while (c->retired) {
-        retired_t *n = c->retired->next;
-        dspx_buf_release(&c->retired->buf);
-        free(c->retired);
-        c->retired = n;
-    }
     dspx_conn_close(&c->conn);
     free(c);
 }
@@ -241,26 +229,13 @@ DSPX_API int c7x_client_io_locked(const c7x_client_t *c) { return c ? c->io_lock
 static int grow(c7x_client_t *c, int input, size_t want, uint32_t num_inputs) {
     dspx_buf_t *cur = input ? &c->input_buf : &c->output_buf;
     if (want <= capacity(cur)) return 0;
+    /* new first, then the old one goes: the new buffer never overlaps it */
     dspx_buf_t nb;
     int rc = dspx_buf_new(&c->conn, &nb, want, input ? "dspx-input" : "dspx-output");
     if (rc) return rc;
     if (cur->fd >= 0) {
-        if (c->io_locked) {
-            /* Pointers handed out (create_input, outputs) stay readable: the
-             * old buffer leaves the device but stays mapped until close. */
-            retired_t *r = malloc(sizeof *r);
-            dspx_detach(&c->conn, cur);
-            if (r) {
-                r->buf = *cur;
-                r->next = c->retired;
-                c->retired = r;
-            } else {
-                dspx_buf_release(cur);
-            }
-        } else {
-            dspx_detach(&c->conn, cur);
-            dspx_buf_release(cur);
-        }
+        dspx_detach(&c->conn, cur);
+        dspx_buf_release(cur);
     }
     *cur = nb;
     if (input) {
@@ -274,6 +249,15 @@ static int grow(c7x_client_t *c, int input, size_t want, uint32_t num_inputs) {
 static void declare_io(c7x_client_t *c, uint64_t in, uint64_t out, uint32_t num_inputs) {
     char why[2][DSPX_ERR_LEN];
     int shortfall = 0;
+    if (c->io_locked) {
+        /* create_input tensors and outputs live in the current buffers */
+        if (in > capacity(&c->input_buf) || out > capacity(&c->output_buf))
+            fprintf(stderr, "libdspx: warning: module declares input %llu / output %llu bytes but capacity is "
+                            "locked at %zu / %zu\n",
+                    (unsigned long long)in, (unsigned long long)out, capacity(&c->input_buf),
+                    capacity(&c->output_buf));
+        return;
+    }
     for (int side = 0; side < 2; side++) {
         uint64_t want = side == 0 ? in : out;
         why[side][0] = 0;

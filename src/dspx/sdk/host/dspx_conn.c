@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -134,6 +135,8 @@ int dspx_conn_open(dspx_conn_t *c, const char *path, int timeout_ms) {
                                        c->path, strerror(e), c->path);
         return dspx_set_open_error(-e, "cannot connect to device socket %s: %s", c->path, strerror(e));
     }
+    struct timeval tv = {c->timeout_ms / 1000, (c->timeout_ms % 1000) * 1000};
+    c->rcvtimeo_set = setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) == 0;
     c->fd = fd;
     return 0;
 }
@@ -165,7 +168,7 @@ static int lost(dspx_conn_t *c) {
 
 /* One datagram if one is ready (MSG_DONTWAIT).  Returns its length, 0 when
  * nothing is ready, or a negative errno. Received fds are closed. */
-static int recv_one(dspx_conn_t *c, uint8_t *buf, size_t cap) {
+static int recv_one(dspx_conn_t *c, uint8_t *buf, size_t cap, int block) {
     struct iovec iov = {buf, cap};
     union {
         struct cmsghdr h;
@@ -177,7 +180,7 @@ static int recv_one(dspx_conn_t *c, uint8_t *buf, size_t cap) {
     mh.msg_iovlen = 1;
     mh.msg_control = cm.b;
     mh.msg_controllen = sizeof cm.b;
-    ssize_t n = recvmsg(c->fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    ssize_t n = recvmsg(c->fd, &mh, (block ? 0 : MSG_DONTWAIT) | MSG_CMSG_CLOEXEC);
     if (n < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
         if (errno == ECONNRESET || errno == EPIPE) return lost(c);
@@ -240,10 +243,8 @@ int dspx_send(dspx_conn_t *c, void *msg, uint32_t len, int fd, uint32_t *seq) {
     if (len < sizeof(dspx_wire_header_t) || len > DSPX_WIRE_MAX_MSG)
         return dspx_fail(c, -EMSGSIZE, 0, "message of %u bytes (limit %u)", len, DSPX_WIRE_MAX_MSG);
     dspx_wire_header_t *h = (dspx_wire_header_t *)msg;
-    pthread_mutex_lock(&c->lock);
-    uint32_t s = c->next_seq++;
-    if (c->next_seq == 0) c->next_seq = 1;
-    pthread_mutex_unlock(&c->lock);
+    uint32_t s = __atomic_fetch_add(&c->next_seq, 1, __ATOMIC_RELAXED); /* never under the lock: a waiter may sleep in it */
+    if (s == 0) s = __atomic_fetch_add(&c->next_seq, 1, __ATOMIC_RELAXED);
     h->seq = s;
     h->len = len;
     h->status = 0;
@@ -286,7 +287,7 @@ int dspx_send(dspx_conn_t *c, void *msg, uint32_t len, int fd, uint32_t *seq) {
         if (pr > 0 && (p.revents & (POLLIN | POLLHUP))) {
             uint8_t buf[DSPX_WIRE_MAX_MSG + 1];
             pthread_mutex_lock(&c->lock);
-            int r = recv_one(c, buf, sizeof buf);
+            int r = recv_one(c, buf, sizeof buf, 0);
             if (r > 0) r = stash_put(c, buf, r);
             pthread_mutex_unlock(&c->lock);
             if (r < 0) return r;
@@ -296,12 +297,35 @@ int dspx_send(dspx_conn_t *c, void *msg, uint32_t len, int fd, uint32_t *seq) {
     return 0;
 }
 
+static int wait_one(dspx_conn_t *c, uint32_t seq, uint8_t *buf, int tmo, const char *what);
+
 int dspx_wait(dspx_conn_t *c, uint32_t seq, uint32_t expect_type, void *resp, size_t cap, size_t *len,
               int timeout_ms, const char *what) {
     uint8_t buf[DSPX_WIRE_MAX_MSG + 1];
     int tmo = timeout_ms > 0 ? timeout_ms : c->timeout_ms;
+    __atomic_add_fetch(&c->waiters, 1, __ATOMIC_SEQ_CST);
+    int n = wait_one(c, seq, buf, tmo, what);
+    __atomic_sub_fetch(&c->waiters, 1, __ATOMIC_SEQ_CST);
+    if (n < 0) return n;
+    dspx_wire_header_t h;
+    memcpy(&h, buf, sizeof h);
+    if (h.type != expect_type)
+        return dspx_fail(c, -EPROTO, h.status, "response type 0x%04x to %s, expected 0x%04x", h.type,
+                         what ? what : "request", expect_type);
+    memset(resp, 0, cap);
+    memcpy(resp, buf, (size_t)n < cap ? (size_t)n : cap);
+    if (len) *len = (size_t)n;
+    return 0;
+}
+
+/* the datagram answering seq into buf: its length, or a negative errno */
+static int wait_one(dspx_conn_t *c, uint32_t seq, uint8_t *buf, int tmo, const char *what) {
     int64_t deadline = now_ms() + tmo;
     int n = 0;
+    /* Fast path: the only waiter, with the connection's own timeout, blocks
+     * in recvmsg (SO_RCVTIMEO = that timeout) — one syscall, like a bare
+     * ping-pong.  Otherwise poll in slices and never hold the lock asleep. */
+    int fast = tmo == c->timeout_ms && c->rcvtimeo_set;
     for (;;) {
         pthread_mutex_lock(&c->lock);
         dspx_stash_t *s = stash_take(c, seq);
@@ -316,7 +340,11 @@ int dspx_wait(dspx_conn_t *c, uint32_t seq, uint32_t expect_type, void *resp, si
             pthread_mutex_unlock(&c->lock);
             return c->fd < 0 ? dspx_fail(c, -EBADF, 0, "client is closed") : lost(c);
         }
-        int r = recv_one(c, buf, sizeof buf);
+        int block = fast && __atomic_load_n(&c->waiters, __ATOMIC_SEQ_CST) == 1;
+        fast = 0;
+        int r = recv_one(c, buf, DSPX_WIRE_MAX_MSG + 1, block);
+        if (r == 0 && block && now_ms() >= deadline - 1) r = dspx_fail(c, -ETIMEDOUT, 0, "no response to %s within %d ms",
+                                                                  what ? what : "request", tmo);
         if (r > 0) {
             dspx_wire_header_t h;
             memcpy(&h, buf, sizeof h);
@@ -330,7 +358,6 @@ int dspx_wait(dspx_conn_t *c, uint32_t seq, uint32_t expect_type, void *resp, si
             if (r < 0) return r;
             continue;
         }
-        unsigned gen = c->stash_gen;
         pthread_mutex_unlock(&c->lock);
         if (r < 0) return r;
         int64_t left = deadline - now_ms();
@@ -340,17 +367,8 @@ int dspx_wait(dspx_conn_t *c, uint32_t seq, uint32_t expect_type, void *resp, si
         struct pollfd p = {c->fd, POLLIN | POLLRDHUP, 0};
         int pr = poll(&p, 1, (int)(left < 20 ? left : 20));
         if (pr < 0 && errno != EINTR) return dspx_fail(c, -errno, 0, "poll: %s", strerror(errno));
-        (void)gen;
     }
-    dspx_wire_header_t h;
-    memcpy(&h, buf, sizeof h);
-    if (h.type != expect_type)
-        return dspx_fail(c, -EPROTO, h.status, "response type 0x%04x to %s, expected 0x%04x", h.type,
-                         what ? what : "request", expect_type);
-    memset(resp, 0, cap);
-    memcpy(resp, buf, (size_t)n < cap ? (size_t)n : cap);
-    if (len) *len = (size_t)n;
-    return 0;
+    return n;
 }
 
 int dspx_check(dspx_conn_t *c, const void *resp, size_t rlen, const char *what) {

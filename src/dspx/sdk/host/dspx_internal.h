@@ -41,6 +41,8 @@ typedef struct dspx_conn {
     pthread_mutex_t lock;   /* socket receive + stash */
     dspx_stash_t *stash;    /* responses that arrived for other waiters */
     unsigned stash_gen;
+    int waiters;            /* threads in dspx_wait */
+    int rcvtimeo_set;       /* SO_RCVTIMEO = timeout_ms */
     int lost;
     char path[108];
     /* the last failure */

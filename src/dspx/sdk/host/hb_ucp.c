@@ -22,6 +22,7 @@ typedef struct hb_mem {
 enum { T_CREATED, T_SUBMITTED, T_DONE, T_FAILED, T_RELEASED };
 
 typedef struct hb_task {
+    struct hb_task *next; /* live tasks: a handle is checked against them */
     uint32_t magic;
     int32_t cmd;
     hb_mem_t *in, *out;
@@ -41,6 +42,7 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static dspx_conn_t g_conn;
 static int g_open;
 static hb_mem_t *g_mems;
+static hb_task_t *g_tasks;
 static __thread char t_error[DSPX_ERR_LEN];
 
 static int fail(int rc, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -217,7 +219,10 @@ DSPX_API int32_t hbDSPAddrUnmap(hbUCPSysMem *mem) {
 /* ------------------------------------------------------------------ tasks */
 
 static hb_task_t *task_of(hbUCPTaskHandle_t h) {
-    hb_task_t *t = (hb_task_t *)h;
+    pthread_mutex_lock(&g_lock);
+    hb_task_t *t = g_tasks;
+    while (t && t != (hb_task_t *)h) t = t->next;
+    pthread_mutex_unlock(&g_lock);
     return t && t->magic == TASK_MAGIC ? t : NULL;
 }
 
@@ -243,6 +248,8 @@ DSPX_API int32_t hbDSPRpcV2(hbUCPTaskHandle_t *taskHandle, hbUCPSysMem *input, h
             t->out_size = out ? (output->memSize ? output->memSize : out->size) : 0;
             t->state = T_CREATED;
             t->core = -1;
+            t->next = g_tasks;
+            g_tasks = t;
             *taskHandle = t;
         }
     }
@@ -345,6 +352,13 @@ DSPX_API int32_t hbUCPReleaseTask(hbUCPTaskHandle_t taskHandle) {
     hb_task_t *t = task_of(taskHandle);
     if (!t) return fail(-EINVAL, "hbUCPReleaseTask: not a task handle");
     if (t->state == T_SUBMITTED) return fail(-EBUSY, "task is still in flight: wait for it before releasing");
+    pthread_mutex_lock(&g_lock);
+    for (hb_task_t **p = &g_tasks; *p; p = &(*p)->next)
+        if (*p == t) {
+            *p = t->next;
+            break;
+        }
+    pthread_mutex_unlock(&g_lock);
     t->magic = 0;
     t->state = T_RELEASED;
     free(t);

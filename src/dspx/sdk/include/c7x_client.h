@@ -134,7 +134,7 @@ int c7x_client_kv_region(c7x_client_t *c, void **ptr, size_t *size);
  * already inside it / inside the KV region: passed in place).  More than
  * DSPX_WIRE_MAX_INLINE_INPUTS inputs travel as INFER_LARGE.
  * outputs: filled with pointers into output_buf, valid until the next
- * c7x_client_infer, a load that grows output_buf, or c7x_client_close.
+ * c7x_client_infer or c7x_client_close.
  * flags: C7X_INFER_REPEAT(n) | C7X_INFER_FLAG_KV_RESIDENT.  info may be NULL. */
 int c7x_client_infer(c7x_client_t *c, uint32_t handle, uint32_t model_id, const c7x_tensor_desc_t *inputs,
                      uint32_t num_inputs, c7x_tensor_desc_t *outputs, uint32_t max_outputs, uint32_t flags,
