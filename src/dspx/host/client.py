@@ -4,11 +4,12 @@
 is running), checks the protocol version, attaches the staging buffer (first,
 so it lands at the window base with the KV region at its end) and the printf
 ring, and then offers the calls of the protocol with typed errors.  Every
-wait has a timeout; a device that dies raises ``DeviceLost``.
+wait has a timeout; a device that dies raises ``DeviceLost``.  The rules
+(seqs, error mapping, io capacity and layout) live in ``session``; this
+module does the I/O they call for.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import socket as _socket
 import sys
@@ -19,12 +20,12 @@ from dataclasses import dataclass
 
 from .. import memory
 from ..abi import layout, protocol as P
-from ..errors import (CapacityError, CapacityLocked, CapacityWarning, DeviceLost, DeviceTimeout,
-                      DspxError, VersionMismatch, device_error)
+from ..errors import CapacityError, DeviceError, DeviceLost, DeviceTimeout, DspxError, VersionMismatch
 from ..memory import DmaBuf
 from ..abi.protocol import Status
 from ..transport import PeerClosed, Timeout, TransportError, connect
 from . import launcher
+from .session import Session, failure
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -56,9 +57,8 @@ class Client:
                  staging_size: int = memory.STAGING_SIZE, kv_size: int = memory.KV_SIZE,
                  printf_size: int = memory.PRINTF_SIZE, cores: int = 1, device_args=()):
         self.timeout = timeout
-        self._seq = itertools.count(1)
+        self.session = Session()
         self._lock = threading.RLock()
-        self._stash: dict[int, tuple[P.Message, float]] = {}
         self.device: launcher.PrivateDevice | None = None
         path, self.device = launcher.resolve(socket, cores=cores, extra_args=device_args)
         self.socket_path = path
@@ -74,9 +74,6 @@ class Client:
         self._printf_read = 0
         self.input_buf: DmaBuf | None = None
         self.output_buf: DmaBuf | None = None
-        self.input_data_offset = 0
-        self._create_input_end = 0
-        self.io_locked = False
         self._closed = False
         try:
             pong = self.request(P.Ping())
@@ -87,6 +84,8 @@ class Client:
                 self.staging = self.attach(DmaBuf(staging_size + kv_size, "dspx-staging"), staging=True,
                                            kv_size=kv_size)
                 self.kv_size = kv_size
+                if kv_size:
+                    self.session.io.kv_addr = self.staging.dsp_addr + self.staging.size - kv_size
             if printf_size:
                 self.printf_buf = self.attach(DmaBuf(printf_size, "dspx-printf"))
                 self.request(P.SetPrintfBuf(printf_dsp_addr=self.printf_buf.dsp_addr, printf_size=printf_size))
@@ -105,8 +104,7 @@ class Client:
         """Send a request; return its seq (for ``wait``)."""
         if self._closed:
             raise DspxError("client is closed")
-        msg.seq = next(self._seq) & 0xFFFFFFFF
-        data = msg.encode()
+        data = self.session.start(msg)
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -136,17 +134,21 @@ class Client:
             for _, ev in p.poll(max(1, int((deadline - time.monotonic()) * 1000))):
                 if ev & (select.POLLIN | select.POLLHUP):
                     try:
-                        data, fds, _ = self.ep.recv(timeout=0)
-                    except PeerClosed:
-                        raise DeviceLost(self._lost_message()) from None
+                        self._receive(0)
                     except Timeout:
                         return
-                    for fd in fds:
-                        os.close(fd)
-                    resp = P.decode(data)
-                    self._stash[resp.seq] = (resp, time.monotonic())
         finally:
             self._lock.release()
+
+    def _receive(self, timeout: float) -> None:
+        """Hand one datagram to the session (raises transport.Timeout)."""
+        try:
+            data, fds, _ = self.ep.recv(timeout=timeout)
+        except PeerClosed:
+            raise DeviceLost(self._lost_message()) from None
+        for fd in fds:  # no response carries a dmabuf
+            os.close(fd)
+        self.session.receive(data)
 
     def wait(self, seq: int, timeout: float | None = None, request: str = "") -> P.Message:
         """The response to ``seq``; responses to other requests that arrive
@@ -158,21 +160,13 @@ class Client:
             if not self._lock.acquire(timeout=max(0.0, left)):
                 raise DeviceTimeout(f"no response to {request or 'request'} within {timeout:.3g} s")
             try:
-                if seq in self._stash:
-                    return self._stash.pop(seq)[0]
-                left = deadline - time.monotonic()
+                resp = self.session.take(seq)
+                if resp is not None:
+                    return resp
                 try:
-                    data, fds, _ = self.ep.recv(timeout=max(0.0, left))
+                    self._receive(max(0.0, deadline - time.monotonic()))
                 except Timeout:
                     raise DeviceTimeout(f"no response to {request or 'request'} within {timeout:.3g} s") from None
-                except PeerClosed:
-                    raise DeviceLost(self._lost_message()) from None
-                for fd in fds:
-                    os.close(fd)
-                resp = P.decode(data)
-                if resp.seq == seq:
-                    return resp
-                self._stash[resp.seq] = (resp, time.monotonic())
             finally:
                 self._lock.release()
 
@@ -185,20 +179,16 @@ class Client:
         return msg
 
     def check(self, resp: P.Message, request: str) -> P.Message:
+        """``resp`` if it succeeded, else raise its typed error with GET_ERROR's text."""
         if resp.status == Status.SUCCESS:
             return resp
-        numbers = {k: getattr(resp, k) for k in ("oom_requested", "oom_free", "oom_total", "result_required",
-                                                  "return_value", "cycles", "error_line")
-                   if getattr(resp, k, 0)}
-        detail = ""
-        if resp.TYPE != (P.RESPONSE_BIT | P.MsgType.GET_ERROR):
+        error = None
+        if not isinstance(resp, P.GetErrorResp):
             try:
-                err = self.wait(self.send(P.GetError()), 5.0, "GET_ERROR")
-                if err.error_seq == resp.seq:
-                    detail = err.payload.decode(errors="replace")
+                error = self.wait(self.send(P.GetError()), 5.0, "GET_ERROR")
             except (DeviceTimeout, DeviceLost):
                 pass
-        raise device_error(resp.status, detail, request, **numbers)
+        raise failure(resp, request, error)
 
     def request(self, msg: P.Message, fds=(), timeout: float | None = None) -> P.Message:
         resp = self.wait(self.send(msg, fds), timeout, msg.NAME)
@@ -277,11 +267,18 @@ class Client:
     def load_module(self, elf: bytes) -> LoadedModule:
         n = self._stage(elf, "module")
         r = self.request(P.DynLoad(elf_size=n))
-        mod = LoadedModule(r.module_handle, r.text_size, r.data_size, r.io_input_bytes, r.io_output_bytes,
-                           r.io_num_inputs, r.io_num_outputs, r.io_flags)
-        if r.io_input_bytes or r.io_output_bytes:
-            self._declare_io(r.io_input_bytes, r.io_output_bytes, r.io_num_inputs)
-        return mod
+        short = []
+        for side, want in self.session.io.declare(r.io_input_bytes, r.io_output_bytes, r.io_num_inputs):
+            try:
+                self._grow(side, want)
+            except (DeviceLost, DeviceTimeout):
+                raise
+            except (DeviceError, OSError, ValueError, OverflowError) as e:  # advisory: keep what could be had
+                short.append((side, want, getattr(e, "status_name", None) or str(e)))
+        if short:
+            warnings.warn(self.session.io.unmet(short), stacklevel=2)
+        return LoadedModule(r.module_handle, r.text_size, r.data_size, r.io_input_bytes, r.io_output_bytes,
+                            r.io_num_inputs, r.io_num_outputs, r.io_flags)
 
     def unload_module(self, handle: int) -> None:
         self.request(P.DynUnload(module_handle=handle))
@@ -295,76 +292,39 @@ class Client:
         self.request(P.ModelUnload(model_id=model_id))
 
     # ---------------------------------------------------------------- io capacity (SPEC §6)
-    def _declare_io(self, input_bytes: int, output_bytes: int, num_inputs: int) -> None:
-        """Size input_buf/output_buf from a declaration: grow, never shrink;
-        a declaration that cannot be met is advisory (warn, keep what fits)."""
-        if self.io_locked:
-            if input_bytes > self.input_capacity or output_bytes > self.output_capacity:
-                warnings.warn(CapacityWarning(
-                    f"module declares input {input_bytes} / output {output_bytes} bytes but capacity is locked at "
-                    f"{self.input_capacity} / {self.output_capacity}"), stacklevel=3)
-            return
-        short = []
-        for side, want in (("input", input_bytes), ("output", output_bytes)):
-            try:
-                self._grow(side, want, num_inputs)
-            except (DspxError, OSError, ValueError, OverflowError) as e:  # host cannot map it either
-                why = getattr(e, "status_name", None) or str(e)
-                short.append(f"{side} declared {want} bytes, allocated {self._capacity(side)} ({why})")
-        if short:
-            warnings.warn(CapacityWarning("io declaration could not be met: " + "; ".join(short) +
-                                          " — call reserve_io() with the real figures before the first inference"),
-                          stacklevel=3)
-
-    def _capacity(self, side: str) -> int:
-        b = self.input_buf if side == "input" else self.output_buf
-        return b.size if b else 0
+    @property
+    def io_locked(self) -> bool:
+        return self.session.io.locked
 
     @property
     def input_capacity(self) -> int:
-        return self._capacity("input")
+        return self.session.io.input
 
     @property
     def output_capacity(self) -> int:
-        return self._capacity("output")
+        return self.session.io.output
 
-    def _grow(self, side: str, want: int, num_inputs: int = 0) -> None:
-        if want <= self._capacity(side):
-            return
+    def _grow(self, side: str, want: int) -> None:
+        """Replace ``side``'s buffer by a bigger one.  The old one leaves the
+        device; its pages stay mapped while create_input arrays use them."""
         new = self.alloc(want, f"dspx-{side}")
-        old = self.input_buf if side == "input" else self.output_buf
-        if side == "input":
-            self.input_buf = new
-            self.input_data_offset = max(self.input_data_offset, layout.desc_region(num_inputs))
-            self._create_input_end = self.input_data_offset
-        else:
-            self.output_buf = new
+        old = getattr(self, f"{side}_buf")
+        setattr(self, f"{side}_buf", new)
+        self.session.io.replaced(side, new.size, new.dsp_addr)
         if old is not None:
             self.detach(old)
 
     def reserve_io(self, input_bytes: int, output_bytes: int, num_inputs: int = 0) -> None:
-        if self.io_locked:
-            raise CapacityLocked(f"reserve_io({input_bytes}, {output_bytes}) refused: capacity was locked at "
-                                 f"input {self.input_capacity} / output {self.output_capacity} bytes by its first "
-                                 f"successful use")
-        self._grow("input", input_bytes, num_inputs)
-        self._grow("output", output_bytes)
+        for side, want in self.session.io.reserve(input_bytes, output_bytes, num_inputs):
+            self._grow(side, want)
 
     def create_input(self, shape, dtype):
         """An array living in input_buf: passing it to infer skips the copy."""
         import numpy as np
 
         dt = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        if self.input_buf is None:
-            raise CapacityError(nbytes, 0, "create_input")
-        off = layout.align(self._create_input_end)
-        if off + nbytes > self.input_buf.size:
-            raise CapacityError(off + nbytes, self.input_buf.size, "create_input")
-        arr = self.input_buf.array(off, shape, dt)
-        self._create_input_end = off + nbytes
-        self.io_locked = True
-        return arr
+        off = self.session.io.create_input(int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
+        return self.input_buf.array(off, shape, dt)
 
     def in_input_buf(self, arr) -> int | None:
         """Offset of ``arr``'s data in input_buf, when it lives there."""
@@ -381,51 +341,15 @@ class Client:
         input_buf are passed in place; others are copied once.  ``kv_inputs``
         are ``(index, kv_offset, shape, dtype)`` for inputs that live in the
         KV region.  Returns descriptors of outputs in output_buf."""
-        import numpy as np
-
-        if self.input_buf is None or self.output_buf is None:
-            raise CapacityError(sum(a.nbytes for a in inputs), self.input_capacity, "inference")
-        kv = {i: (off, shape, dt) for i, off, shape, dt in kv_inputs}
-        n = len(inputs) + len(kv)
-        desc_region = layout.desc_region(n)
-        if desc_region > self.input_data_offset and self._create_input_end > self.input_data_offset:
-            raise CapacityError(desc_region, self.input_data_offset, "descriptor region")
-        pos = max(desc_region, self._create_input_end)
-        copies, descs = [], []
-        base = self.input_buf.dsp_addr
-        it = iter(inputs)
-        kv_base = self.staging.dsp_addr + self.staging.size - self.kv_size if self.kv_size else 0
-        for i in range(n):
-            if i in kv:
-                off, shape, dt = kv[i]
-                descs.append(P.TensorDesc.for_array(kv_base + off, shape, np.dtype(dt).name))
-                continue
-            a = next(it)
-            off = self.in_input_buf(a)
-            if off is None:
-                off = layout.align(pos)
-                pos = off + a.nbytes
-                copies.append((off, a))
-            descs.append(P.TensorDesc.for_array(base + off, a.shape, a.dtype.name))
-        if pos > self.input_buf.size:
-            raise CapacityError(pos, self.input_buf.size)
+        plan = self.session.io.plan_infer(handle, inputs, [self.in_input_buf(a) for a in inputs], model_id,
+                                          repeat, kv_resident, kv_inputs)
         ib = self.input_buf
         ib.begin_cpu_access(memory.SYNC_WRITE)
-        for off, a in copies:
+        for off, a in plan.copies:
             ib.array(off, a.shape, a.dtype)[...] = a
-        flags = (repeat & P.REPEAT_MASK) | (P.FLAG_KV_RESIDENT if kv_resident else 0)
-        if n <= P.MAX_INLINE_INPUTS:
-            ib.end_cpu_access(memory.SYNC_WRITE)
-            msg = P.Infer(module_handle=handle, model_id=model_id, num_inputs=n, flags=flags,
-                          input_dsp_addr=base, input_size=ib.size, result_dsp_addr=self.output_buf.dsp_addr,
-                          result_size=self.output_buf.size, descs=descs)
-        else:
-            ib.mm[:80 * n] = P.encode_descs(descs)
-            ib.end_cpu_access(memory.SYNC_WRITE)
-            msg = P.InferLarge(module_handle=handle, model_id=model_id, num_inputs=n, flags=flags,
-                               descs_addr=base, descs_size=80 * n, input_dsp_addr=base, input_size=ib.size,
-                               result_dsp_addr=self.output_buf.dsp_addr, result_size=self.output_buf.size)
-        r = self.request(msg, timeout=timeout)
+        ib.mm[:len(plan.table)] = plan.table
+        ib.end_cpu_access(memory.SYNC_WRITE)
+        r = self.request(plan.message, timeout=timeout)
         ob = self.output_buf
         ob.begin_cpu_access(memory.SYNC_READ)
         out_descs = r.descs
@@ -433,7 +357,7 @@ class Client:
             off = r.descs_addr - ob.dsp_addr
             out_descs = P.decode_descs(ob.mm, r.num_outputs, off)
         ob.end_cpu_access(memory.SYNC_READ)
-        self.io_locked = True
+        self.session.io.completed(r)
         return InferResult(r.cycles, out_descs, self.show_printf(r.printf_size))
 
     def output_view(self, desc: P.TensorDesc):
