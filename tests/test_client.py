@@ -1,5 +1,6 @@
 """The host client: embedded default device, explicit sockets, version
 check, timeouts and a device that dies."""
+import json
 import os
 import socket
 import struct
@@ -8,11 +9,15 @@ import sys
 import threading
 import time
 
+import numpy as np
+import onnxruntime as ort
 import pytest
 
 import dspx
 from dspx.abi import layout
+from dspx.compiler.examples import random_inputs
 from dspx.errors import DeviceLost, DeviceTimeout, DspxError, VersionMismatch
+from dspx.host.vm import VirtualMachine
 
 
 def test_embedded_default_starts_and_stops_a_private_device(monkeypatch, tmp_path):
@@ -141,3 +146,45 @@ def test_status_counts_and_pools(device, client_of):
     assert st["version"] == "3.0.0" and st["jobs_completed"] == 0 and st["jobs_failed"] == 0
     p = c.pools()
     assert p["ddr_total"] == 64 << 20 and p["ddr_used"] == 0 and p["cores"] == 1
+
+
+def _ort(onnx_path, meta, inputs):
+    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    return sess.run(None, {t["name"]: a for t, a in zip(meta["inputs"], inputs)})
+
+
+def _assert_matches(outs, ref):
+    outs = outs if isinstance(outs, list) else [outs]
+    assert len(outs) == len(ref)
+    for o, r in zip(outs, ref):
+        assert o.shape == r.shape and o.dtype == r.dtype
+        np.testing.assert_allclose(o, r, rtol=0, atol=1e-4)
+
+
+def test_one_client_loads_a_bigger_module_after_inferring_with_a_smaller_one(device, client_of, compiled,
+                                                                              example_onnx):
+    """SPEC §6: the small module's inference locks capacity, yet the bigger
+    module's declaration still grows both buffers; an array create_input
+    handed out before stays valid host memory and is copied from then on."""
+    small_dir, big_dir = compiled("multi_output"), compiled("resnet18", kernels=True)
+    small_meta, big_meta = (json.loads((d / "metadata.json").read_text()) for d in (small_dir, big_dir))
+    c = client_of(device.path, staging_size=(big_dir / "model.so").stat().st_size + (64 << 10))
+    small = VirtualMachine(small_dir, client=c)
+    xs = random_inputs(small_meta)
+    small_ref = _ort(example_onnx["multi_output"], small_meta, xs)
+    x_dev = small.create_input(xs[0].shape, xs[0].dtype)
+    x_dev[...] = xs[0]
+    _assert_matches(small["main"](x_dev), small_ref)
+    assert c.io_locked and c.input_capacity < big_meta["io"]["input_bytes"]
+    assert c.output_capacity < big_meta["io"]["output_bytes"]
+
+    big = VirtualMachine(big_dir, client=c)
+    assert c.input_capacity >= big_meta["io"]["input_bytes"] and c.output_capacity >= big_meta["io"]["output_bytes"]
+    xb = random_inputs(big_meta)
+    _assert_matches(big["main"](*xb), _ort(example_onnx["resnet18"], big_meta, xb))
+
+    assert c.in_input_buf(x_dev) is None  # it lives in the old input_buf, now detached
+    np.testing.assert_array_equal(x_dev, xs[0])
+    _assert_matches(small["main"](x_dev), small_ref)
+    big.close()
+    small.close()
