@@ -48,7 +48,7 @@ def _compiler_id(exe: str) -> bytes:
 
 def sources() -> list[Path]:
     """Everything the build depends on."""
-    files = sorted(p for p in INCLUDE.rglob("*.h"))
+    files = [INCLUDE / h for h in PUBLIC_HEADERS]
     files += sorted(p for p in HOST.iterdir() if p.suffix in (".c", ".cc", ".h"))
     files += [Path(__file__).resolve(), *gen_wire.source_files()]
     return files
