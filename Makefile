@@ -33,3 +33,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf .cache build benchmarks/results
+
+# libdspx, the C/C++ host library: built into ${XDG_CACHE_HOME:-~/.cache}/dspx/sdk/<hash>/ (prints that directory)
+.PHONY: libdspx
+libdspx: $(STAMP)
+	$(BIN)/python -c 'from dspx.sdk import host; print(host.build())'
