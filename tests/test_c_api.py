@@ -525,13 +525,28 @@ def test_cxx_module_errors_are_typed(sdk, shared_device, wide_bare, tmp_path):
     assert r["unreserved_name"] == "EFBIG" and int(r["unreserved_code"]) == -errno.EFBIG
     assert r.all("size_name") == ["ERR_SIZE", "ERR_SIZE"] and r.all("size_status") == ["-7", "-7"]
     assert [int(x) for x in r.all("size_required")] == [_align(256 + 256 + 96 * 64 * 4, 64), WIDE_OUT]
-    assert all(w.startswith("ERR_SIZE (-7) in c7x::Module::Run") for w in r.all("size_what"))
+    assert all(w.startswith("c7x::Module::Run: ERR_SIZE (-7) on INFER: ") for w in r.all("size_what"))
+    assert r["unreserved_what"].startswith("c7x::Module::Run: EFBIG (-27): ")
     assert r["ok_outputs"] == "3"
     assert r["out0_shape"] == "1x64 first 0 last 126"
     assert r["out2_shape"] == "192x64 first 0 last 63"
     assert r["locked_name"] == "EPERM" and "locked" in r["locked_what"]
     assert int(r["strided_code"]) == -errno.EINVAL and "row-major" in r["strided_what"]
     assert r["nodev_name"] == "ECONNREFUSED" and "no dspx device is listening" in r["nodev_what"]
+
+
+def test_load_out_of_ddr_pool_names_the_numbers(driver, compiled):
+    d = compiled("resnet18", kernels=True)
+    dev = Device("--carveout-size", "128M", "--ddr-pool-size", "16M")
+    try:
+        r = run(driver, "load", d / "model.so", socket_path=dev.path)
+    finally:
+        dev.stop()
+    assert r.rc("load") == -errno.ENOMEM and r["load_status_name"] == "ERR_NOMEM"
+    requested, free, total = map(int, r["load_oom"].split())
+    assert total == 16 << 20 and requested > free and free <= total
+    assert r.rc("missing_file") == -errno.ENOENT and "/nonexistent/model.so" in r["missing_file_error"]
+    assert r.rc("ping_after") == 0
 
 
 # ================================================================ the UCP flow
@@ -736,6 +751,9 @@ static void report(const char *key, int rc, c7x_client_t *c) {
         printf("%s_status_name %s\n", key, st ? c7x_status_name(st) : "-");
         printf("%s_error %s\n", key, c7x_client_last_error(c));
         printf("%s_result_required %llu\n", key, (unsigned long long)c7x_client_result_required(c));
+        uint32_t rq, fr, tot;
+        c7x_client_last_oom(c, &rq, &fr, &tot);
+        printf("%s_oom %u %u %u\n", key, rq, fr, tot);
     }
     fflush(stdout);
 }
@@ -925,6 +943,17 @@ static int cmd_infer(const char *so, const char *weights, int n, char **specs, c
     }
     if (model) report("model_unload", c7x_client_model_unload(c, model), c);
     report("unload", c7x_client_dyn_unload(c, mi.handle), c);
+    c7x_client_close(c);
+    return 0;
+}
+
+static int cmd_load(const char *so) {
+    c7x_client_t *c = open_or_die(0);
+    c7x_module_info_t mi;
+    report("load", c7x_client_dyn_load_file(c, so, &mi), c);
+    report("missing_file", c7x_client_dyn_load_file(c, "/nonexistent/model.so", &mi), c);
+    uint32_t v;
+    report("ping_after", c7x_client_ping(c, &v, NULL), c);
     c7x_client_close(c);
     return 0;
 }
@@ -1137,6 +1166,7 @@ int main(int argc, char **argv) {
     if (!strcmp(c, "handles")) return cmd_handles(argv[2], (unsigned)atoi(argv[3]));
     if (!strcmp(c, "capacity")) return cmd_capacity(argv[2], atoi(argv[3]));
     if (!strcmp(c, "infer")) return cmd_infer(argv[2], argv[3], argc - 5, argv + 5, argv[4]);
+    if (!strcmp(c, "load")) return cmd_load(argv[2]);
     if (!strcmp(c, "hang")) return cmd_hang(argv[2], argv[3], atoi(argv[4]));
     if (!strcmp(c, "ping_bench")) return cmd_ping_bench(atoi(argv[2]));
     if (!strcmp(c, "ucp_nodev")) return cmd_ucp_nodev();

@@ -87,6 +87,11 @@ DSPX_API void c7x_client_close(c7x_client_t *c) {
 DSPX_API const char *c7x_client_last_error(const c7x_client_t *c) { return c ? c->conn.last_error : dspx_open_error(); }
 DSPX_API int32_t c7x_client_last_status(const c7x_client_t *c) { return c ? c->conn.last_status : 0; }
 DSPX_API uint64_t c7x_client_result_required(const c7x_client_t *c) { return c ? c->conn.result_required : 0; }
+DSPX_API void c7x_client_last_oom(const c7x_client_t *c, uint32_t *requested, uint32_t *free_bytes, uint32_t *total) {
+    if (requested) *requested = c ? c->conn.oom_requested : 0;
+    if (free_bytes) *free_bytes = c ? c->conn.oom_free : 0;
+    if (total) *total = c ? c->conn.oom_total : 0;
+}
 DSPX_API uint32_t c7x_client_device_version(const c7x_client_t *c) { return c ? c->conn.device_version : 0; }
 DSPX_API const char *c7x_client_printf_text(const c7x_client_t *c) {
     return c && c->conn.printf_text ? c->conn.printf_text : "";

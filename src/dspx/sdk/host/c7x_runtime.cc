@@ -252,22 +252,23 @@ DSPX_API Module::~Module() {
 }
 
 void Module::Throw(int rc, const std::string& what) const {
-  std::string text = what;
   int32_t status = 0;
   uint64_t rr = 0;
+  uint32_t oq = 0, of = 0, ot = 0;
+  const char* detail = nullptr;
   if (client_) {
     status = c7x_client_last_status(client_);
     rr = c7x_client_result_required(client_);
-    const char* e = c7x_client_last_error(client_);
-    if (e && *e) text += std::string(": ") + e;
+    c7x_client_last_oom(client_, &oq, &of, &ot);
+    detail = c7x_client_last_error(client_);
   } else {
-    const char* e = c7x_client_open_error();
-    if (e && *e) text += std::string(": ") + e;
+    detail = c7x_client_open_error();
   }
-  const char* n = status ? c7x_status_name(status) : errno_name(rc);
-  throw Error(rc, status, std::string(n ? n : "ERROR") + " (" + std::to_string(status ? status : rc) + ") in " + text +
-                              (rr ? " [result_required=" + std::to_string(rr) + "]" : ""),
-              rr);
+  // a device failure's text already starts "ERR_SIZE (-7) on INFER: ..."; a host one gets its errno name
+  std::string text = what + ": ";
+  if (!status) text += std::string(errno_name(rc)) + " (" + std::to_string(rc) + ")" + (detail && *detail ? ": " : "");
+  if (detail) text += detail;
+  throw Error(rc, status, text, rr, oq, of, ot);
 }
 
 void Module::Open() {

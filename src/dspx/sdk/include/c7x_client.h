@@ -146,6 +146,8 @@ const char *c7x_client_printf_text(const c7x_client_t *c);
 const char *c7x_client_last_error(const c7x_client_t *c);  /* "" when none */
 int32_t c7x_client_last_status(const c7x_client_t *c);     /* DSPX_STATUS_* of the last failure, 0 if host-side */
 uint64_t c7x_client_result_required(const c7x_client_t *c);
+/* after -ENOMEM from a load (ERR_NOMEM): requested / free / total bytes of the DDR pool */
+void c7x_client_last_oom(const c7x_client_t *c, uint32_t *requested, uint32_t *free_bytes, uint32_t *total);
 const char *c7x_status_name(int32_t status);               /* "ERR_SIZE"; NULL if unknown */
 /* Text of the last failed open (no client to ask); thread-local. */
 const char *c7x_client_open_error(void);
