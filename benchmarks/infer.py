@@ -63,7 +63,7 @@ def worker(kind: str, target: str, threads: int) -> None:
         kernels.register_all()
         meta = json.loads((Path(target) / "metadata.json").read_text())
         mod = loader.load_module((Path(target) / "model.so").read_bytes(), kernels.names())
-        args = [loader.as_tensor(a) for a in random_inputs(meta)]
+        args = [loader.as_tensor(a)[0] for a in random_inputs(meta)]
         func = mod._func
 
         def call():

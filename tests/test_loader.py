@@ -135,9 +135,12 @@ def test_zero_copy_inputs():
     buf = np.empty(4096 + 64, np.uint8)
     skip = -buf.ctypes.data % 64
     aligned = buf[skip:skip + 4096].view(np.float32).reshape(32, 32)
-    assert np.from_dlpack(loader.as_tensor(aligned)).ctypes.data == aligned.ctypes.data
+    t, zero_copy = loader.as_tensor(aligned)
+    assert zero_copy and np.from_dlpack(t).ctypes.data == aligned.ctypes.data
     unaligned = buf[skip + 4:skip + 4 + 4032].view(np.float32)
-    copied = np.from_dlpack(loader.as_tensor(unaligned))
+    t, zero_copy = loader.as_tensor(unaligned)
+    copied = np.from_dlpack(t)
+    assert not zero_copy
     assert copied.ctypes.data % 64 == 0 and copied.ctypes.data != unaligned.ctypes.data
     np.testing.assert_array_equal(copied, unaligned)
 

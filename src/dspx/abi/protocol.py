@@ -678,7 +678,21 @@ def error_response(request_type: int | None, seq: int | None, status: int) -> by
     return HEADER.pack(t, (seq or 0) & 0xFFFFFFFF, HEADER_SIZE, status)
 
 
-def failure(req: Message, status: int) -> Message:
-    """The response to ``req`` with a failure status and a zeroed body."""
-    cls = _REGISTRY[RESPONSE_BIT | req.TYPE]
-    return cls(seq=req.seq, status=int(status))
+def failure(req: Message, status: int, **numbers) -> Message:
+    """The response to ``req`` with a failure status; ``numbers`` fill fields."""
+    return failure_response(req.TYPE, req.seq, status, **numbers)
+
+
+def failure_response(req_type: int, seq: int, status: int, **numbers) -> Message:
+    """The response to a request of ``req_type`` with a failure status.  Fields
+    named in ``numbers`` are set, saturated to their width: a figure from a
+    damaged module (e.g. a 2^63-byte segment) must not make it unencodable."""
+    resp = _REGISTRY[RESPONSE_BIT | req_type](seq=seq, status=int(status))
+    widths = dict(zip(resp.FIELDS, resp.BODY.format.lstrip("<")))
+    for k, v in numbers.items():
+        w = widths.get(k)
+        if w is not None:
+            bits = 32 if w in "Ii" else 64
+            lo, hi = (0, (1 << bits) - 1) if w in "IQ" else (-(1 << bits - 1), (1 << bits - 1) - 1)
+            setattr(resp, k, min(max(int(v), lo), hi))
+    return resp

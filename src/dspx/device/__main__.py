@@ -6,7 +6,7 @@ import sys
 
 from .. import memory
 from ..transport import default_socket_path
-from .front.service import Service
+from .front.loop import Service
 
 
 def parse_size(text: str) -> int:
@@ -25,13 +25,16 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="threads per core (default: cpus / cores)")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
+    ap.add_argument("--job-timeout", type=float, default=0.0,
+                    help="seconds a task or inference may run before it is stopped (0: no limit; "
+                         "an RPC's own timeout_ms wins)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     if a.cores < 1:
         ap.error("--cores must be at least 1")
     log = (lambda *m: None) if a.quiet else (lambda *m: print("dspx-device:", *m, file=sys.stderr, flush=True))
     svc = Service(a.socket or default_socket_path(), a.carveout_size, a.ddr_pool_size, a.cores, a.threads,
-                  a.parent_pid, log)
+                  a.parent_pid, log, a.job_timeout)
     svc.serve_forever()
     return 0
 

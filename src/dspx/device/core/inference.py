@@ -1,13 +1,14 @@
 """INFER on a core: zero-copy input views, the timed entry call, outputs
-packed 64-byte aligned into output_buf (or the KV region), printf.
+packed into output_buf (or the KV region), the response.
 
-The front has already validated every address, descriptor and the module's
-signature; this module only turns the resolved job into numpy views and
-writes results.  Output layout in output_buf (matches io_meta's formula):
-a descriptor region (80 × outputs, rounded up to 64) then each tensor
-rounded up to 64 bytes.  With KV_RESIDENT every output past the first is
-written to the KV region instead, packed the same way from its base, and
-only the first output (and its descriptor) reaches output_buf.
+The front has validated every address, descriptor and the module's
+signature and sends the resolved request once (``jobs.InferSpec``); the core
+keeps it as a ``Prepared`` call — input views, the entry's argument list —
+and runs it for every request with the same bytes.  Output layout in
+output_buf is abi.layout's: a descriptor region then each tensor 64-byte
+aligned.  With KV_RESIDENT every output past the first is written to the KV
+region instead, packed the same way from its base, and only the first output
+(and its descriptor) reaches output_buf.
 """
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ import time
 
 import numpy as np
 
-from ...abi.layout import ALIGN, align, desc_region
-from ...abi.protocol import DType, Status, TensorDesc
-
+from ...abi import layout, protocol as P
+from ...abi.protocol import DType, Status
 
 
 class InferFailed(Exception):
@@ -38,66 +38,84 @@ def view(mm, offset: int, shape, dtype) -> np.ndarray:
 _CODE_BITS: dict[np.dtype, tuple[int, int]] = {}
 
 
-def _desc(addr: int, arr: np.ndarray) -> TensorDesc:
+def _desc(addr: int, arr: np.ndarray) -> P.TensorDesc:
     # by np.dtype object: dtype.name is Python code and this runs per output per call
     cb = _CODE_BITS.get(arr.dtype)
     if cb is None:
         cb = _CODE_BITS[arr.dtype] = DType.code_bits(arr.dtype.name)
-    return TensorDesc(addr, arr.nbytes, arr.ndim, cb[0], cb[1], arr.shape)
+    return P.TensorDesc(addr, arr.nbytes, arr.ndim, cb[0], cb[1], arr.shape)
 
 
-def run(module, weights, job: dict, bufs: dict) -> dict:
-    """Execute one resolved INFER job; return the response fields."""
-    inputs = [view(bufs[b], off, shape, dtype) for b, off, shape, dtype in job["inputs"]]
-    repeat = max(1, job["repeat"])
-    per_run = []
-    outs = None
-    for _ in range(repeat):
-        outs = None  # drop the previous run's outputs before the next one
-        t0 = time.perf_counter_ns()
-        outs = module.run(inputs, weights)
-        per_run.append(time.perf_counter_ns() - t0)
-    # 1 GHz nominal clock: one cycle per nanosecond.
-    cycles = per_run[0] if repeat == 1 else int(statistics.median(per_run))
-    lines = []
-    if repeat > 1:
-        lines = [f"run {i}: {c} cycles\n" for i, c in enumerate(per_run)]
-    outs = [np.ascontiguousarray(o) for o in outs]
+class Prepared:
+    """One validated INFER, ready to run again and again."""
 
-    res_buf, res_off, res_size, res_addr = job["result"]
-    to_output = outs[:1] if job["kv_resident"] else outs
-    to_kv = outs[1:] if job["kv_resident"] else []
+    def __init__(self, spec, module, weights, bufs: dict):
+        self.spec = spec
+        self.module = module
+        self.inputs = [view(bufs[b], off, shape, dtype) for b, off, shape, dtype in spec.inputs]
+        self.weights = weights
+        self.out_mm = bufs[spec.result[0]]
+        self.kv_mm = bufs[spec.kv[0]] if spec.kv else None
+        self.resp_cls = P.message_class(spec.resp_type)
+        args, reusable = module.prepare(self.inputs, weights)  # the signature check, once
+        self.args = args if reusable else None
 
-    descs = []
-    pos = desc_region(len(to_output))
-    out_mm = bufs[res_buf]
-    for arr in to_output:
-        end = pos + arr.nbytes
-        if end > res_size:
-            raise InferFailed(Status.ERR_SIZE,
-                              f"output {len(descs)} ({arr.nbytes} bytes) does not fit: output_buf holds "
-                              f"{res_size} bytes, {align(end, ALIGN)} needed through this tensor",
-                              result_required=align(end, ALIGN), cycles=cycles)
-        view(out_mm, res_off + pos, arr.shape, arr.dtype)[...] = arr
-        descs.append(_desc(res_addr + pos, arr))
-        pos = align(end, ALIGN)
-    if to_kv:
-        kv_buf, kv_off, kv_size, kv_addr = job["kv"]
-        kv_mm = bufs[kv_buf]
-        kpos = 0
-        for i, arr in enumerate(to_kv):
-            end = kpos + arr.nbytes
-            if end > kv_size:
+    def run(self) -> tuple[int, list, str]:
+        """Run the entry (``repeat`` times) and place the outputs; returns
+        (cycles, output descriptors, printf text)."""
+        spec = self.spec
+        repeat = max(1, spec.repeat)
+        per_run = []
+        outs = None
+        for _ in range(repeat):
+            outs = None  # drop the previous run's outputs before the next one
+            args = self.args if self.args is not None else self.module.prepare(self.inputs, self.weights)[0]
+            t0 = time.perf_counter_ns()
+            outs = self.module.call(args)
+            per_run.append(time.perf_counter_ns() - t0)
+        # 1 GHz nominal clock: one cycle per nanosecond.
+        cycles = per_run[0] if repeat == 1 else int(statistics.median(per_run))
+        text = "".join(f"run {i}: {c} cycles\n" for i, c in enumerate(per_run)) if repeat > 1 else ""
+        return cycles, self._place([np.ascontiguousarray(o) for o in outs], cycles), text
+
+    def _place(self, outs: list, cycles: int) -> list:
+        res_buf, res_off, res_size, res_addr = self.spec.result
+        to_output = outs[:1] if self.spec.kv_resident else outs
+        to_kv = outs[1:] if self.spec.kv_resident else []
+        descs = []
+        pos = layout.desc_region(len(to_output))
+        for arr in to_output:
+            end = pos + arr.nbytes
+            if end > res_size:
                 raise InferFailed(Status.ERR_SIZE,
-                                  f"KV output {i + 1} does not fit the {kv_size}-byte KV region "
-                                  f"({end} bytes needed)", result_required=0, cycles=cycles)
-            dst = view(kv_mm, kv_off + kpos, arr.shape, arr.dtype)
-            # A module that updated its KV input in place hands back that very view.
-            if not np.shares_memory(dst, arr):
-                dst[...] = arr
-            kpos = align(end, ALIGN)
-    # Descriptors always sit at the front of output_buf; the response also
-    # carries them inline when they fit.
-    table = b"".join(d.encode() for d in descs)
-    out_mm[res_off:res_off + len(table)] = table
-    return {"cycles": cycles, "descs": descs, "desc_addr": res_addr, "printf": "".join(lines)}
+                                  f"output {len(descs)} ({arr.nbytes} bytes) does not fit: output_buf holds "
+                                  f"{res_size} bytes, {layout.align(end)} needed through this tensor",
+                                  result_required=layout.align(end), cycles=cycles)
+            view(self.out_mm, res_off + pos, arr.shape, arr.dtype)[...] = arr
+            descs.append(_desc(res_addr + pos, arr))
+            pos = layout.align(end)
+        if to_kv:
+            _, kv_off, kv_size, _ = self.spec.kv
+            offsets, end = layout.pack(a.nbytes for a in to_kv)
+            if end > kv_size:
+                raise InferFailed(Status.ERR_SIZE, f"KV outputs need {end} bytes; the KV region holds {kv_size}",
+                                  result_required=0, cycles=cycles)
+            for kpos, arr in zip(offsets, to_kv):
+                dst = view(self.kv_mm, kv_off + kpos, arr.shape, arr.dtype)
+                # A module that updated its KV input in place hands back that very view.
+                if not np.shares_memory(dst, arr):
+                    dst[...] = arr
+        # Descriptors always sit at the front of output_buf; the response also
+        # carries them inline when they fit.
+        table = P.encode_descs(descs)
+        self.out_mm[res_off:res_off + len(table)] = table
+        return descs
+
+    def response(self, seq: int, cycles: int, descs: list, printf_size: int) -> bytes:
+        resp = self.resp_cls(seq=seq, cycles=cycles, num_outputs=len(descs), printf_size=printf_size)
+        if len(descs) <= P.MAX_INLINE_OUTPUTS:
+            resp.descs = descs
+        else:
+            resp.descs_addr = self.spec.result[3]
+            resp.descs_size = len(descs) * P.TensorDesc.SIZE
+        return resp.encode()

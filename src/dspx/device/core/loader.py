@@ -154,20 +154,20 @@ def parse_weights(data) -> ModelWeights:
 
 
 def as_tensor(arr: np.ndarray):
-    """A TVM tensor over ``arr``: a zero-copy DLPack view when the array is
+    """(tensor, zero_copy): a TVM tensor over ``arr``: a zero-copy DLPack view when the array is
     C-contiguous, 64-byte aligned and writable (always so in input_buf, whose
     layout aligns every tensor); otherwise one aligned copy, since TVM rejects
     less aligned data and numpy cannot export read-only arrays."""
     if arr.flags.c_contiguous and arr.flags.writeable:
         try:
-            return tvm.runtime.from_dlpack(arr)  # the common case, checked by TVM itself
+            return tvm.runtime.from_dlpack(arr), True  # the common case, checked by TVM itself
         except Exception:  # noqa: BLE001 - misaligned: fall through to the copy
             pass
     aligned = np.empty(arr.nbytes + TENSOR_ALIGN, dtype=np.uint8)
     skip = -aligned.ctypes.data % TENSOR_ALIGN
     copy = aligned[skip:skip + arr.nbytes].view(arr.dtype).reshape(arr.shape)
     copy[...] = arr
-    return tvm.runtime.from_dlpack(copy)
+    return tvm.runtime.from_dlpack(copy), False
 
 
 class LoadedModule:
@@ -179,7 +179,6 @@ class LoadedModule:
         self.workspace_bytes = info.workspace_bytes
         self.io_meta = info.io_meta
         self.signature = info.signature
-        self._want = None  # (shape, np.dtype) per input, built on first run
         self.entry = info.signature.entry if info.signature else DEFAULT_ENTRY
         self._close_fd = weakref.finalize(self, os.close, fd)  # also if dropped without unload()
         self._lib = lib
@@ -210,20 +209,18 @@ class LoadedModule:
         self._weights = weights
         return weights.num_constants
 
-    def run(self, inputs: list[np.ndarray], weights: ModelWeights | None = None) -> list[np.ndarray]:
-        """Run the entry; outputs are numpy views of the TVM outputs, valid
-        until the next run or unload."""
+    def prepare(self, inputs: list[np.ndarray], weights: ModelWeights | None = None) -> tuple[list, bool]:
+        """Check the inputs and weights against the signature once; return
+        the entry's arguments and whether they may be reused for later calls
+        on the same memory (every input was wrapped zero-copy)."""
         if self._vm is None:
             raise CallError("module is unloaded")
         if self.signature is not None:
             specs = self.signature.inputs
             if len(inputs) != len(specs):
                 raise TensorError(f"{self.entry} takes {len(specs)} inputs, got {len(inputs)}")
-            # np.dtype objects compare in C; dtype.name is Python code (~3 µs each)
-            want = self._want or [(tuple(sp.shape), np.dtype(sp.dtype)) for sp in specs]
-            self._want = want
-            for i, (arr, spec, (shape, dt)) in enumerate(zip(inputs, specs, want)):
-                if arr.shape != shape or arr.dtype != dt:
+            for i, (arr, spec) in enumerate(zip(inputs, specs)):
+                if arr.shape != tuple(spec.shape) or arr.dtype != np.dtype(spec.dtype):
                     raise TensorError(f"input {i} ({spec.name}): got {list(arr.shape)} {arr.dtype.name}, "
                                       f"expected {list(spec.shape)} {spec.dtype}")
         if weights is not None:
@@ -232,7 +229,18 @@ class LoadedModule:
             weights = self._weights
             if weights is None:
                 raise WeightsError("module has separate weights and none are loaded (MODEL_LOAD first)")
-        args = [as_tensor(a) for a in inputs] + (list(weights.tensors) if weights is not None else [])
+        args, reusable = [], True
+        for a in inputs:
+            t, zero_copy = as_tensor(a)
+            args.append(t)
+            reusable &= zero_copy
+        return args + (list(weights.tensors) if weights is not None else []), reusable
+
+    def call(self, args: list) -> list[np.ndarray]:
+        """Run the entry on prepared arguments; outputs are numpy views of the
+        TVM outputs, valid until the next call or unload."""
+        if self._vm is None:
+            raise CallError("module is unloaded")
         self._last_outputs = None
         try:
             out = self._func(*args)
@@ -241,6 +249,9 @@ class LoadedModule:
         outs = list(out) if isinstance(out, (list, tuple, tvm_ffi.Array)) else [out]
         self._last_outputs = outs
         return [np.from_dlpack(o) for o in outs]
+
+    def run(self, inputs: list[np.ndarray], weights: ModelWeights | None = None) -> list[np.ndarray]:
+        return self.call(self.prepare(inputs, weights)[0])
 
     def unload(self) -> None:
         """SPEC §5 order: last outputs, the model slot (weights), the

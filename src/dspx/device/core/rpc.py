@@ -1,51 +1,57 @@
-"""The core's side of custom operators: its op registry, its L2/DMA runtime,
-and turning an RPC job into a task over the connection's address space."""
+"""The core's side of custom operators: its op registry and L2/DMA runtime,
+and an RPC plan turned into a task over the connection's address space."""
 from __future__ import annotations
 
 import numpy as np
 
 from ... import memory
-from ...abi import layout
-from ...memory import AddressSpace, Region
+from ...abi import layout, protocol as P
+from ...abi.ops import FAULT_CRASH_CMD, FAULT_INJECTION_ENV
 from ...abi.protocol import Status
+from ...memory import AddressSpace, Region
 from . import builtin_ops, ops, runtime
 
 
 class CoreOps:
-    def __init__(self, core):
-        self.core = core
+    def __init__(self, index: int, fault_injection: bool = False):
+        self.index = index
         self.rt = runtime.Core(l2_size=memory.L2_SIZE)
         self.registry = ops.OpRegistry()
         builtin_ops.register(self.registry)
+        if fault_injection:
+            self.registry.register(FAULT_CRASH_CMD, _fault_crash, 0, "fault.crash")
 
     def op_list(self, lib: int | None = None) -> list[tuple[int, str, int]]:
         return [(o.cmd, o.name, o.latency_us) for o in self.registry.ops() if lib is None or o.lib == lib]
 
-    def handle(self, msg: dict) -> dict | None:
-        kind = msg["kind"]
-        if kind == "ops_load":
-            h = self.registry.load_library(msg["source"], msg["filename"], handle=msg["handle"])
-            return None if msg.get("broadcast") else {"ops": self.op_list(h)}
-        if kind == "ops_unload":
-            self.registry.unload_library(msg["handle"])
-            return None
-        if kind == "ops_list":
-            return {"ops": self.op_list()}
-        return self.rpc(msg)
 
-    def rpc(self, msg: dict) -> dict:
-        bufs = self.core.bufs
-        space = AddressSpace()
-        for buf_id, addr, size in msg["regions"]:
-            space.add(Region(buf_id, addr, size, bufs[buf_id]))
-        (ib, ioff, isz), (ob, ooff, osz) = msg["input"], msg["output"]
-        inp = np.frombuffer(bufs[ib], np.uint8, count=isz, offset=ioff)
-        out = np.frombuffer(bufs[ob], np.uint8, count=osz, offset=ooff)
-        printf = msg.get("printf")
-        limit = (printf[2] if printf else memory.PRINTF_SIZE) - layout.PRINTF_HEADER
-        task = runtime.Task(space, self.rt, printf_limit=limit)
-        res = self.registry.run(msg["cmd"], inp, out, task)
-        del inp, out
-        return {"status": res.status, "return_value": res.return_value, "cycles": res.cycles,
-                "core": self.core.index, "printf_size": self.core.write_printf(printf, res.printf),
-                "error": res.printf.strip().splitlines()[-1] if res.status != Status.SUCCESS and res.printf else ""}
+class Prepared:
+    """One validated RPC: the connection's address space and the task's views."""
+
+    def __init__(self, spec, bufs: dict):
+        self.spec = spec
+        self.space = AddressSpace()
+        for buf_id, addr, size in spec.regions:
+            self.space.add(Region(buf_id, addr, size, bufs[buf_id]))
+        (ib, ioff, isz), (ob, ooff, osz) = spec.input, spec.output
+        self.inp = np.frombuffer(bufs[ib], np.uint8, count=isz, offset=ioff)
+        self.out = np.frombuffer(bufs[ob], np.uint8, count=osz, offset=ooff)
+        self.printf_limit = (spec.printf[2] if spec.printf else memory.PRINTF_SIZE) - layout.PRINTF_HEADER
+
+    def run(self, core_ops: CoreOps) -> ops.OpResult:
+        task = runtime.Task(self.space, core_ops.rt, printf_limit=self.printf_limit)
+        return core_ops.registry.run(self.spec.cmd, self.inp, self.out, task)
+
+    @staticmethod
+    def response(seq: int, res: ops.OpResult, core: int, printf_size: int, queued_us: int) -> bytes:
+        return P.RpcResp(seq=seq, status=res.status if res.status != Status.SUCCESS else 0,
+                         return_value=res.return_value, core=core, cycles=res.cycles, printf_size=printf_size,
+                         queued_us=queued_us).encode()
+
+
+def _fault_crash(inp, out, tm) -> int:
+    import os
+    os._exit(70)
+
+
+__all__ = ["CoreOps", "Prepared", "FAULT_INJECTION_ENV"]

@@ -1,9 +1,11 @@
 """One simulated DSP core: a process with its own interpreter.
 
-It receives jobs from the front over a socketpair, maps dmabufs by buffer
-id, and runs module loads, inference and custom operators.  Every job is
-answered with ``{"job": id, "status": code, ...}``; a job that raises is
-answered with the most specific status its exception carries.
+It receives typed records (``dspx.device.jobs``) from the front over a
+socketpair, maps dmabufs by buffer id, and runs module loads, inference and
+custom operators.  Every job ends with a ``Done`` to the front; a job that
+raises ends with the most specific status its exception carries.  INFER and
+RPC calls are answered by the core itself on the client's socket (the front
+sent it once), right after the ``Done``.
 """
 from __future__ import annotations
 
@@ -17,24 +19,26 @@ import time
 import traceback
 
 from ...abi import layout
-from ...abi.ops import FAULT_CRASH_CMD, FAULT_INJECTION_ENV
+from ...abi.ops import FAULT_INJECTION_ENV
+from ...abi import protocol as P
 from ...abi.protocol import Status
 from ...transport import Endpoint, PeerClosed
 from .. import jobs
-
-
 
 # Module bytes are loaded once in a forked child before the core maps them
 # (see Core._probe_load); DSPX_LOAD_PROBE=0 turns that off.
 LOAD_PROBE_ENV = "DSPX_LOAD_PROBE"
 LOAD_PROBE_TIMEOUT_S = 30.0
+_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 class JobAborted(Exception):
-    """Raised inside a running job when the front asks for an abort (SIGUSR1):
-    the connection that submitted it is gone."""
+    """Raised inside a running job when the front asks it to stop: SIGUSR1,
+    its connection closed; SIGUSR2, it ran past its time limit."""
 
-    status = Status.ERR_CALL
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class Core:
@@ -43,26 +47,28 @@ class Core:
         self.index = index
         self.threads = threads
         self.bufs: dict[int, mmap.mmap] = {}
+        self.clients: dict[int, socket.socket] = {}  # cid -> the client's socket, for direct answers
+        self.plans: dict[int, object] = {}  # plan id -> inference.Prepared | rpc.Prepared
         self.modules: dict[int, object] = {}
         self.models: dict[int, object] = {}
         self._ops = None
-        self._running_job = None  # id of the job being run, the only thing SIGUSR1 may abort
+        self._running_job = None  # id of the job being run, the only thing an abort may interrupt
 
     def _on_abort(self, signum, frame) -> None:
-        # The front sends SIGUSR1 only while it believes one of our jobs runs;
+        # The front signals only while it believes one of our jobs runs;
         # between jobs (or during internal messages) it is ignored.
         if self._running_job is not None:
             job, self._running_job = self._running_job, None
-            raise JobAborted(f"job {job} aborted: the connection that submitted it closed")
+            if signum == signal.SIGUSR2:
+                raise JobAborted(f"job {job} ran past its time limit and was stopped", Status.ERR_TIMEOUT)
+            raise JobAborted(f"job {job} aborted: the connection that submitted it closed", Status.ERR_CALL)
 
     # ---------------------------------------------------------------- lazies
     @property
     def ops(self):
         if self._ops is None:
             from . import rpc
-            self._ops = rpc.CoreOps(self)
-            if os.environ.get(FAULT_INJECTION_ENV) == "1":
-                self._ops.registry.register(FAULT_CRASH_CMD, _fault_crash, 0, "fault.crash")
+            self._ops = rpc.CoreOps(self.index, os.environ.get(FAULT_INJECTION_ENV) == "1")
         return self._ops
 
     def kernel_names(self) -> set[str]:
@@ -74,9 +80,18 @@ class Core:
             self._kernels = kernels.names()
         return self._kernels
 
-    # ---------------------------------------------------------------- buffers
-    def _take_fds(self, msg: dict, fds: list[int]) -> None:
-        for buf_id, size in msg.get("new_bufs", ()):
+    # ---------------------------------------------------------------- buffers and clients
+    def _take_fds(self, rec: jobs.Job, fds: list[int]) -> None:
+        if isinstance(rec, jobs.Call) and rec.new_conn:
+            if not fds:
+                raise RuntimeError("a client socket was announced without its fd")
+            fd = fds.pop(0)
+            cid = (rec.spec or self.plans[rec.plan].spec).cid
+            old = self.clients.pop(cid, None)
+            if old is not None:
+                old.close()
+            self.clients[cid] = socket.socket(fileno=fd)
+        for buf_id, size in rec.new_bufs:
             if not fds:
                 raise RuntimeError(f"buffer {buf_id} arrived without its fd (fd limit?)")
             fd = fds.pop(0)
@@ -87,8 +102,14 @@ class Core:
         for fd in fds:
             os.close(fd)
 
-    def drop(self, buf_ids) -> None:
-        for b in buf_ids:
+    def forget(self, rec: jobs.Forget) -> None:
+        for p in rec.plans:
+            self.plans.pop(p, None)
+        for cid in rec.conns:
+            s = self.clients.pop(cid, None)
+            if s is not None:
+                s.close()
+        for b in rec.bufs:
             mm = self.bufs.pop(b, None)
             if mm is not None:
                 try:
@@ -106,17 +127,14 @@ class Core:
         return len(data)
 
     # ---------------------------------------------------------------- jobs
-    def handle(self, msg: dict) -> dict | None:
-        kind = msg["kind"]
-        if kind == "drop":
-            self.drop(msg["bufs"])
-            return None
-        if kind == "ping":
-            return {"pid": os.getpid()}
-        if kind == "load":
-            return self.load(msg)
-        if kind == "unload":
-            mod = self.modules.pop(msg["handle"], None)
+    def handle(self, rec):
+        """Run one record; return the Done value (or None), raise on failure."""
+        if isinstance(rec, jobs.Forget):
+            self.forget(rec)
+        elif isinstance(rec, jobs.LoadModule):
+            return self.load(rec)
+        elif isinstance(rec, jobs.UnloadModule):
+            mod = self.modules.pop(rec.handle, None)
             if mod is not None:
                 if hasattr(self, "_kernels"):
                     # Prepacked weights are keyed by content: drop them with
@@ -125,32 +143,37 @@ class Core:
                     from . import kernels
                     kernels.clear_caches()
                 mod.unload()
-            return {}
-        if kind == "model_load":
-            return self.model_load(msg)
-        if kind == "model_unload":
-            self.models.pop(msg["model_id"], None)
-            return {}
-        if kind == "infer":
-            return self.infer(msg)
-        if kind in ("ops_load", "ops_unload", "rpc", "ops_list"):
-            return self.ops.handle(msg)
-        if kind == "crash":  # fault injection for tests of the front's supervision
-            os._exit(70)
+        elif isinstance(rec, jobs.LoadWeights):
+            from . import loader
+            data = self.bufs[rec.buf][:rec.size]
+            weights = loader.parse_weights(data)
+            self.models[rec.model_id] = weights
+            return jobs.WeightsLoaded(weights.num_constants, weights.nbytes)
+        elif isinstance(rec, jobs.UnloadWeights):
+            self.models.pop(rec.model_id, None)
+        elif isinstance(rec, jobs.LoadOps):
+            h = self.ops.registry.load_library(rec.source, rec.filename, handle=rec.handle)
+            return jobs.OpsLoaded(self.ops.op_list(h))
+        elif isinstance(rec, jobs.UnloadOps):
+            self.ops.registry.unload_library(rec.handle)
+        else:
+            raise ValueError(f"unknown record {type(rec).__name__}")
+        return None
 
-        raise ValueError(f"unknown job kind {kind!r}")
-
-    def load(self, msg: dict) -> dict:
+    def load(self, rec: jobs.LoadModule) -> jobs.Loaded:
         from . import loader
 
-        mm = self.bufs[msg["buf"]]
-        elf = mm[msg["offset"]:msg["offset"] + msg["size"]]
+        elf = self.bufs[rec.buf][:rec.size]
         if os.environ.get(LOAD_PROBE_ENV, "1") != "0":
-            self._probe_load(elf, msg)
-        mod = loader.load_module(elf, self.kernel_names(), ddr_free=msg["ddr_free"])
-        self.modules[msg["handle"]] = mod
+            self._probe_load(elf, rec.ddr_free)
+        mod = loader.load_module(elf, self.kernel_names(), ddr_free=rec.ddr_free)
+        self.modules[rec.handle] = mod
         self._warm_up(mod)
-        return loader.describe(mod)
+        io = mod.io_meta
+        return jobs.Loaded(mod.text_size, mod.data_size, mod.workspace_bytes,
+                           None if io is None else (io.num_inputs, io.num_outputs, io.input_bytes,
+                                                    io.output_bytes, io.flags),
+                           None if mod.signature is None else mod.signature.to_json())
 
     @staticmethod
     def _warm_up(mod) -> None:
@@ -167,7 +190,7 @@ class Core:
         except Exception:
             pass  # a module that cannot run on zeros reports its error at INFER
 
-    def _probe_load(self, elf: bytes, msg: dict) -> None:
+    def _probe_load(self, elf: bytes, ddr_free: int) -> None:
         """Load untrusted module bytes once in a throwaway child first.
 
         The checks before mapping (ELF identity, imports, blobs) cannot see
@@ -200,7 +223,7 @@ class Core:
             signal.signal(signal.SIGALRM, signal.SIG_DFL)
             signal.alarm(int(LOAD_PROBE_TIMEOUT_S))
             try:
-                loader.load_module(elf, names, ddr_free=msg["ddr_free"]).unload()
+                loader.load_module(elf, names, ddr_free=ddr_free).unload()
             except BaseException:
                 code = 1
             os._exit(code)
@@ -228,64 +251,113 @@ class Core:
             raise LoadError(f"the module aborted the loader (exit status {os.WEXITSTATUS(status)}); "
                             f"it is damaged or not a module for this device")
 
-    def model_load(self, msg: dict) -> dict:
-        from . import loader
+    # ---------------------------------------------------------------- calls (INFER, RPC)
+    def _plan(self, rec: jobs.Call):
+        plan = self.plans.get(rec.plan)
+        if plan is None:
+            spec = rec.spec
+            if spec is None:
+                raise RuntimeError(f"plan {rec.plan} is unknown on core {self.index}")
+            if isinstance(spec, jobs.InferSpec):
+                from . import inference
+                weights = self.models[spec.model_id] if spec.model_id else None
+                plan = inference.Prepared(spec, self.modules[spec.handle], weights, self.bufs)
+            else:
+                from . import rpc
+                plan = rpc.Prepared(spec, self.bufs)
+            self.plans[rec.plan] = plan
+        return plan
 
-        mm = self.bufs[msg["buf"]]
-        data = mm[msg["offset"]:msg["offset"] + msg["size"]]
-        weights = loader.parse_weights(data)
-        self.models[msg["model_id"]] = weights
-        return {"num_constants": weights.num_constants, "nbytes": weights.nbytes}
-
-    def infer(self, msg: dict) -> dict:
-        from . import inference
-
-        mod = self.modules[msg["handle"]]
-        weights = self.models[msg["model_id"]] if msg["model_id"] else None
+    def call(self, rec: jobs.Call) -> None:
+        """Run a call, tell the front it ended, then answer the client."""
+        status, error, numbers, resp = Status.SUCCESS, "", {}, None
+        spec = rec.spec or getattr(self.plans.get(rec.plan), "spec", None)
         try:
-            out = inference.run(mod, weights, msg, self.bufs)
-        except inference.InferFailed as e:
-            return {"status": e.status, "error": str(e), **e.numbers}
-        out["printf_size"] = self.write_printf(msg.get("printf"), out.pop("printf"))
-        return out
+            plan = self._plan(rec)
+            if isinstance(spec, jobs.InferSpec):
+                from .inference import InferFailed
+                try:
+                    cycles, descs, text = plan.run()
+                    resp = plan.response(rec.seq, cycles, descs, self.write_printf(spec.printf, text))
+                except InferFailed as e:
+                    status, error, numbers = e.status, str(e), e.numbers
+            else:
+                res = plan.run(self.ops)
+                resp = plan.response(rec.seq, res, self.index, self.write_printf(spec.printf, res.printf),
+                                     rec.queued_us)
+                if res.status != Status.SUCCESS:
+                    status = res.status
+                    error = res.printf.strip().splitlines()[-1] if res.printf.strip() else ""
+        except (Exception, SystemExit) as e:
+            status = getattr(e, "status", Status.ERR_GENERIC)
+            if isinstance(e, SystemExit):
+                status, e = Status.ERR_CALL, RuntimeError(f"call raised SystemExit({e.code!r}); the core keeps running")
+            error = f"{type(e).__name__}: {e}" if status == Status.ERR_GENERIC else str(e)
+            if status == Status.ERR_GENERIC:
+                error += "\n" + traceback.format_exc()
+        if resp is None:
+            req_type = P.MsgType.RPC if isinstance(spec, jobs.RpcSpec) else (
+                spec.resp_type & ~P.RESPONSE_BIT if spec is not None else P.MsgType.INFER)
+            resp = P.failure_response(req_type, rec.seq, status, **numbers).encode()
+        client = self.clients.get(spec.cid) if spec is not None else None
+        # The front hears first, so its state is current before the client can act on the answer.
+        jobs.send(self.ep, jobs.Done(rec.job, int(status), error, rec.seq, numbers,
+                                     response=None if client is not None else resp))
+        if client is None:
+            return
+        try:
+            client.send(resp, _DONTWAIT)
+        except BlockingIOError:  # the client is not reading: the front keeps it in its outbox
+            jobs.send(self.ep, jobs.Deliver(spec.cid, resp))
+        except OSError:
+            pass  # the client is gone
 
     def serve(self) -> None:
-        signal.signal(signal.SIGUSR1, self._on_abort)  # before hello: no job can come earlier
-        jobs.send(self.ep, {"kind": "hello", "core": self.index, "pid": os.getpid(),
-                            "ops": self.ops.op_list(lib=0)})
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, self._on_abort)  # before hello: no job can come earlier
+        jobs.send(self.ep, jobs.Hello(self.index, os.getpid(), self.ops.op_list(lib=0)))
         while True:
             self._running_job = None
             try:
-                msg, fds = jobs.recv(self.ep)
+                rec, fds = jobs.recv(self.ep)
             except PeerClosed:
                 return
-            job_id = msg.get("job")
             try:
-                self._take_fds(msg, fds)
-                self._running_job = job_id
+                self._take_fds(rec, fds)
+            except Exception as e:  # noqa: BLE001 - the job fails, the core keeps serving
+                if rec.job:
+                    jobs.send(self.ep, jobs.Done(rec.job, int(Status.ERR_GENERIC), f"{type(e).__name__}: {e}"))
+                continue
+            if isinstance(rec, jobs.Call):
+                self._running_job = rec.job
                 try:
-                    result = self.handle(msg)
+                    self.call(rec)
+                except JobAborted:
+                    pass  # the abort landed after the answer went out
                 finally:
                     self._running_job = None
-                if result is None:
-                    continue
-                result.setdefault("status", Status.SUCCESS)
+                continue
+            done = jobs.Done(rec.job)
+            try:
+                self._running_job = rec.job
+                try:
+                    done.value = self.handle(rec)
+                finally:
+                    self._running_job = None
             except (Exception, SystemExit) as e:  # every failure becomes a status, the core keeps serving
                 # (SystemExit too: an op library's top level or handler may raise it)
                 status = getattr(e, "status", Status.ERR_GENERIC)
                 if isinstance(e, SystemExit):  # user code tried to end the core
-                    status = Status.ERR_LOAD if msg.get("kind") in ("load", "ops_load") else Status.ERR_CALL
-                    e = RuntimeError(f"{msg.get('kind')} code raised SystemExit({e.code!r}); the core keeps running")
-                result = {"status": int(status), "error": f"{type(e).__name__}: {e}" if status ==
-                          Status.ERR_GENERIC else str(e)}
-                for k in ("oom_requested", "oom_free", "oom_total", "error_line"):
-                    if hasattr(e, k):
-                        result[k] = getattr(e, k)
+                    status = Status.ERR_LOAD if isinstance(rec, (jobs.LoadModule, jobs.LoadOps)) else Status.ERR_CALL
+                    e = RuntimeError(f"{type(rec).__name__} code raised SystemExit({e.code!r}); the core keeps running")
+                done.status = int(status)
+                done.error = f"{type(e).__name__}: {e}" if status == Status.ERR_GENERIC else str(e)
                 if status == Status.ERR_GENERIC:
-                    result["traceback"] = traceback.format_exc()
-            if job_id is not None:
-                result["job"] = job_id
-                jobs.send(self.ep, result)
+                    done.error += "\n" + traceback.format_exc()
+                done.numbers = {k: getattr(e, k) for k in ("oom_requested", "oom_free", "oom_total", "error_line")
+                                if hasattr(e, k)}
+            if rec.job:
+                jobs.send(self.ep, done)
 
 
 def _die_with_parent() -> None:
@@ -299,10 +371,6 @@ def _die_with_parent() -> None:
             os._exit(0)
     except (OSError, AttributeError):
         pass
-
-
-def _fault_crash(inp, out, tm) -> int:
-    os._exit(70)
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,115 @@
+"""The front's side of a core: its process, its channel, and what it holds.
+
+Every send to a core is non-blocking: a core busy in a long job does not
+read its channel, and the front must keep serving everyone else.  What the
+channel cannot take now waits in ``outq`` (with its own copies of the fds,
+since a buffer may be detached before the send happens) and is flushed when
+the channel is writable again.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import subprocess
+import sys
+
+from ...transport import Endpoint, PeerClosed
+from .. import jobs
+
+
+class CoreProc:
+    def __init__(self, index: int, threads: int, env: dict | None = None):
+        self.index = index
+        self.threads = threads
+        self.env = env
+        self.generation = 0
+        self.ep: Endpoint | None = None
+        self.proc: subprocess.Popen | None = None
+        self.ready = False
+        self.restarts = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.known_bufs: set[int] = set()
+        self.known_conns: set[int] = set()
+        self.plans: set[int] = set()
+        self.running = None  # the FrontJob it runs
+        self.abort_job = None  # the running job an abort was asked for
+        self.abort_deadline = 0.0
+        self.timed_out = False  # the running job passed its deadline
+        self.outq: collections.deque = collections.deque()
+
+    def start(self) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ if self.env is None else self.env)
+        if self.threads:
+            env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dspx.device.core", "--fd", str(child.fileno()),
+             "--index", str(self.index), "--threads", str(self.threads)],
+            pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
+        child.close()
+        parent.setblocking(False)
+        self.ep = jobs.endpoint(parent)
+        self.generation += 1
+        self.ready = False
+        self._reset()
+
+    @property
+    def alive_generation(self) -> int | None:
+        return self.generation if self.ready else None
+
+    def send(self, rec, fds=()) -> bool:
+        """Send (or queue) a record; False if the channel is closed (the core died)."""
+        if self.ep is None:
+            return False
+        data = jobs.encode(rec)
+        if not self.outq:
+            try:
+                self.ep.send(data, fds)
+                return True
+            except BlockingIOError:
+                pass
+            except (PeerClosed, OSError):
+                return False
+        self.outq.append((data, [os.dup(fd) for fd in fds]))
+        return True
+
+    def flush(self) -> bool:
+        """Send what is queued; True when the queue is empty."""
+        while self.outq:
+            data, fds = self.outq[0]
+            try:
+                self.ep.send(data, fds)
+            except BlockingIOError:
+                return False
+            except (PeerClosed, OSError):
+                self._drop_queue()
+                return True
+            self.outq.popleft()
+            for fd in fds:
+                os.close(fd)
+        return True
+
+    def _drop_queue(self) -> None:
+        for _, fds in self.outq:
+            for fd in fds:
+                os.close(fd)
+        self.outq.clear()
+
+    def close_channel(self) -> None:
+        self._drop_queue()
+        if self.ep:
+            self.ep.close()
+        self.ready = False
+
+    def stop(self, timeout: float = 3.0) -> None:
+        self.close_channel()
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)

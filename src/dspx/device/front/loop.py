@@ -1,0 +1,590 @@
+"""The front's event loop: receive → validate → dispatch → respond.
+
+One epoll loop owns the listening socket, every connection and the channels
+to the cores.  It decodes each message, hands it to the handlers
+(``handlers.py``) and carries out the actions they return: answer, queue a
+job, tell the cores.  It supervises the cores: schedules jobs by priority
+and core choice, restarts a core that dies, aborts a job whose connection
+closed or whose time ran out.  Nothing it does blocks: every send to a
+client or a core is non-blocking with a queue behind it.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import os
+import select
+import signal
+import socket
+import subprocess
+import time
+
+from ... import memory
+from ...abi import protocol as P
+from ...abi.protocol import Status as S
+from ...transport import Endpoint, PeerClosed, Timeout, listen, peer_uid
+from .. import jobs
+from .cores import CoreProc
+from .handlers import Cores, Forget, FrontJob, Handlers, Notify, Respond, Submit, _NoRoom, _To, failure
+from .state import MAX_CONNS, MAX_PENDING, MAX_PENDING_PER_CONN, Conn, DeviceState, Reject
+
+# Responses the peer's socket could not take yet (it is not reading).  While a
+# connection has any, the front stops reading its requests, so the queue is
+# bounded by its jobs in flight; this is a safety net above that.
+MAX_OUTBOX = MAX_PENDING_PER_CONN + 64
+# A job whose connection closed, or whose time ran out, is asked to stop
+# (SIGUSR1 / SIGUSR2, raised in the job's Python code); if it has not ended
+# after this grace its core is killed and restarted, so the memory it holds
+# is freed within a second whatever the job does.
+ABORT_GRACE_S = 0.3
+PLANNED = frozenset((P.MsgType.INFER, P.MsgType.INFER_LARGE, P.MsgType.RPC))
+_EPOLLIN, _EPOLLOUT = int(select.EPOLLIN), int(select.EPOLLOUT)
+
+
+class Service:
+    def __init__(self, socket_path: str, carveout_size: int = memory.CARVEOUT_SIZE,
+                 ddr_pool_size: int = memory.DDR_POOL_SIZE, cores: int = 1, threads: int = 0,
+                 parent_pid: int | None = None, log=None, job_timeout_s: float = 0.0):
+        self.path = socket_path
+        self.st = DeviceState(carveout_size, ddr_pool_size)
+        threads = threads or max(1, (os.cpu_count() or 1) // max(1, cores))
+        self.cores = [CoreProc(i, threads) for i in range(cores)]
+        self.handlers = Handlers(self.st, Cores(cores, lambda i: self.cores[i].alive_generation, self._rss),
+                                 job_timeout_s)
+        self.pending: list = []  # heap of (-priority, order, FrontJob)
+        self._order = itertools.count()
+        self._job_ids = itertools.count(1)
+        self._inflight: dict[int, FrontJob] = {}
+        self.parent_pid = parent_pid
+        self.epoll = select.epoll()
+        self._watch: dict[int, tuple] = {}  # fd -> (callback, arg)
+        self.running = False
+        self.log = log or (lambda *a: None)
+        self._accept_paused = 0.0  # when accept() ran out of fds: retry after this time
+
+    # ================================================================ lifecycle
+    def serve_forever(self) -> None:
+        self.running = True
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        self.lsock = listen(self.path)
+        self.lsock.setblocking(False)
+        self._register(self.lsock.fileno(), self._accept, None)
+        for c in self.cores:
+            self._start_core(c)
+        next_check = 0.0
+        try:
+            while self.running:
+                for fd, ev in self.epoll.poll(0.05):
+                    w = self._watch.get(fd)
+                    if w is not None:
+                        try:
+                            w[0](w[1], ev)
+                        except Exception as e:  # a bug in one callback must not take the device down
+                            self.log(f"internal error (device keeps serving): {e!r}")
+                now = time.monotonic()
+                if now >= next_check:  # off the per-message path
+                    try:
+                        self._housekeeping(now)
+                    except Exception as e:
+                        self.log(f"internal error in housekeeping (device keeps serving): {e!r}")
+                    next_check = now + 0.05
+        finally:
+            self.shutdown()
+
+    def _register(self, fd: int, callback, arg, events: int = _EPOLLIN) -> None:
+        self._watch[fd] = (callback, arg)
+        self.epoll.register(fd, events)
+
+    def _unregister(self, fd: int) -> None:
+        if self._watch.pop(fd, None) is not None:
+            try:
+                self.epoll.unregister(fd)
+            except (OSError, ValueError):
+                pass
+
+    def _modify(self, fd: int, events: int) -> None:
+        try:
+            self.epoll.modify(fd, events)
+        except (OSError, ValueError):
+            pass
+
+    def _on_signal(self, *_):
+        self.running = False
+
+    def shutdown(self) -> None:
+        for c in self.cores:
+            c.stop()
+        for conn in list(self.st.conns.values()):
+            self._close_conn(conn, notify_cores=False)
+        try:
+            self.lsock.close()
+        except Exception:
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _housekeeping(self, now: float) -> None:
+        if self.parent_pid and os.getppid() != self.parent_pid:
+            self.log("parent process is gone; stopping")
+            self.running = False
+        expired = [e for e in self.pending if e[2].deadline and e[2].deadline < now]
+        if expired:
+            self.pending = [e for e in self.pending if e not in expired]
+            heapq.heapify(self.pending)
+            for _, _, job in expired:
+                self._fail(job, S.ERR_TIMEOUT, "task timed out before a core could start it")
+        for c in self.cores:
+            if c.proc and c.proc.poll() is not None and c.ready:
+                self._core_died(c)
+            else:
+                self._check_running(c, now)
+        if self._accept_paused and now >= self._accept_paused:
+            self._accept_paused = 0.0
+            self._register(self.lsock.fileno(), self._accept, None)
+
+    # ================================================================ cores
+    def _rss(self) -> int:
+        import psutil
+
+        return sum(psutil.Process(c.proc.pid).memory_info().rss for c in self.cores
+                   if c.proc and c.proc.poll() is None) + psutil.Process().memory_info().rss
+
+    def _start_core(self, c: CoreProc, wait: bool = True) -> None:
+        c.start()
+        self._register(c.ep.fileno(), self._on_core, c)
+        if wait:
+            # At start-up, block until the core says hello so the device never
+            # answers a job before a core exists.  A restart does not block the
+            # loop: the hello arrives through _on_core, jobs queue meanwhile.
+            rec, _ = jobs.recv(c.ep, timeout=60)
+            self._core_hello(c, rec)
+
+    def _core_hello(self, c: CoreProc, rec) -> None:
+        if not isinstance(rec, jobs.Hello):
+            raise RuntimeError(f"core {c.index} did not start: {rec!r}")
+        c.ready = True
+        for cmd, name, lat in rec.ops:  # the firmware's built-in operators
+            self.st.op_table.setdefault(cmd, (name, lat, 0))
+        for handle, (src, fname) in sorted(self.st.op_sources.items()):
+            c.send(jobs.LoadOps(handle=handle, source=src, filename=fname))
+
+    def _core_died(self, c: CoreProc) -> None:
+        code = c.proc.poll() if c.proc else None
+        self.log(f"core {c.index} died (exit {code}); restarting")
+        self._unregister(c.ep.fileno())
+        c.close_channel()
+        job, timed_out = c.running, c.timed_out
+        c.running = None
+        if job is not None:
+            if timed_out:
+                self._fail(job, S.ERR_TIMEOUT, f"job ran past its time limit and did not stop; core {c.index} "
+                                               f"was restarted")
+            else:
+                self._fail(job, S.ERR_CALL, f"core {c.index} crashed while running this job (exit status "
+                                            f"{code}); it was restarted")
+        # Handles on that core die with it: later use is ERR_HANDLE, not misuse.
+        touched = set()
+        for rec in [r for r in self.st.modules.values() if r.core == c.index and r.kind == "module"]:
+            self.st.drop_module(rec)
+            touched.add(rec.cid)
+        for rec in [r for r in self.st.models.values() if r.core == c.index]:
+            self.st.drop_model(rec)
+            touched.add(rec.cid)
+        for cid in touched:
+            conn = self.st.conns.get(cid)
+            if conn is not None:
+                self._apply(conn, self.handlers.invalidate(conn))
+        c.restarts += 1
+        try:
+            self._start_core(c, wait=False)
+        except OSError as e:  # e.g. out of fds: the next housekeeping pass retries
+            self.log(f"core {c.index} could not be restarted: {e}")
+        self._schedule()
+
+    def _on_core(self, c: CoreProc, events: int) -> None:
+        if events & _EPOLLOUT and c.flush():
+            self._modify(c.ep.fileno(), _EPOLLIN)
+        if events & ~_EPOLLOUT:
+            self._drain_core(c)
+
+    def _drain_core(self, c: CoreProc) -> None:
+        """Take every record the core has sent."""
+        while c.ep is not None and c.ready is not None:
+            try:
+                rec, fds = jobs.recv(c.ep)
+            except Timeout:
+                return
+            except (PeerClosed, OSError, ValueError, EOFError):
+                if c.proc:
+                    try:
+                        c.proc.wait(2)
+                    except subprocess.TimeoutExpired:
+                        c.proc.kill()
+                        c.proc.wait()
+                self._core_died(c)
+                return
+            for fd in fds:
+                os.close(fd)
+            if not c.ready:  # a restarted core's hello
+                try:
+                    self._core_hello(c, rec)
+                except (RuntimeError, OSError) as e:
+                    self.log(f"core {c.index} failed to restart: {e}")
+                    c.proc.kill()
+                    return
+                self._schedule()
+                continue
+            if isinstance(rec, jobs.Deliver):
+                conn = self.st.conns.get(rec.cid)
+                if conn is not None:
+                    self._send(conn, rec.data)
+                continue
+            job = self._inflight.pop(rec.job, None)
+            if job is None:
+                continue
+            if c.running is job:
+                c.running = None
+                c.abort_job = None
+                c.timed_out = False
+            if rec.response is not None and job.conn is not None:  # the core could not answer it itself
+                self._send(job.conn, rec.response)
+            self._finish(job, rec)
+            self._schedule()
+
+    def _drain_for(self, conn: Conn) -> None:
+        """Before a connection's next request: take what its cores reported,
+        so the state the request meets includes its earlier jobs' ends."""
+        for c in self.cores:
+            if c.running is not None and c.running.conn is conn:
+                self._drain_core(c)
+
+    def _check_running(self, c: CoreProc, now: float) -> None:
+        job = c.running
+        if job is None:
+            return
+        if c.abort_job is None:
+            why = None
+            if job.conn is not None and job.conn.closed:
+                why = signal.SIGUSR1
+            elif job.deadline and now > job.deadline:
+                why, c.timed_out = signal.SIGUSR2, True
+            if why is not None:
+                c.abort_job, c.abort_deadline = job, now + ABORT_GRACE_S
+                try:
+                    os.kill(c.proc.pid, why)
+                except (ProcessLookupError, AttributeError):
+                    pass
+        elif c.abort_job is job and now >= c.abort_deadline:
+            self._drain_core(c)  # it may have ended just now
+            if c.running is not job:
+                return
+            self.log(f"core {c.index}: job did not stop within {ABORT_GRACE_S} s of being asked; killing the core")
+            c.abort_job = None
+            try:
+                c.proc.kill()
+                c.proc.wait(5)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+            self._core_died(c)
+
+    # ================================================================ jobs
+    def submit(self, job: FrontJob) -> None:
+        if len(self.pending) >= MAX_PENDING:
+            raise Reject(S.ERR_BUSY, f"device queue is full ({MAX_PENDING} jobs)")
+        conn = job.conn
+        if conn is not None:
+            if conn.inflight >= MAX_PENDING_PER_CONN:
+                raise Reject(S.ERR_BUSY, f"connection has {conn.inflight} jobs in flight "
+                                         f"(limit {MAX_PENDING_PER_CONN})")
+            conn.inflight += 1
+        for b in job.bufs:
+            b.busy += 1
+        job.rec.job = next(self._job_ids)
+        job.queued_at = time.monotonic()
+        heapq.heappush(self.pending, (-job.priority, next(self._order), job))
+        self._schedule()
+
+    def _schedule(self) -> None:
+        idle = [c for c in self.cores if c.ready and c.running is None]
+        if not idle or not self.pending:
+            return
+        rest = []
+        while self.pending and idle:
+            entry = heapq.heappop(self.pending)
+            job = entry[2]
+            c = next((c for c in idle if job.core in (P.CORE_ANY, c.index)), None)
+            if c is None:
+                rest.append(entry)
+                continue
+            idle.remove(c)
+            self._start_job(c, job)
+        for entry in rest:
+            heapq.heappush(self.pending, entry)
+
+    def _start_job(self, c: CoreProc, job: FrontJob) -> None:
+        rec = job.rec
+        fds = []
+        if isinstance(rec, jobs.Call):
+            if job.plan.plan_id not in c.plans:
+                rec.spec = job.plan.spec
+                c.plans.add(job.plan.plan_id)
+            if job.conn.cid not in c.known_conns:
+                rec.new_conn = True
+                fds.append(job.conn.ep.fileno())
+                c.known_conns.add(job.conn.cid)
+            rec.queued_us = int((time.monotonic() - job.queued_at) * 1e6)
+        new = [b for b in {b.buf_id: b for b in job.bufs}.values() if b.buf_id not in c.known_bufs]
+        rec.new_bufs = [(b.buf_id, b.region.size) for b in new]
+        fds += [b.fd for b in new]
+        c.known_bufs.update(b.buf_id for b in new)
+        c.running = job
+        job.started_at = time.monotonic()
+        self._inflight[rec.job] = job
+        if not c.send(rec, fds):
+            self._core_died(c)
+        elif c.outq:
+            self._modify(c.ep.fileno(), _EPOLLIN | _EPOLLOUT)
+
+    def _finish(self, job: FrontJob, res: jobs.Done) -> None:
+        self._inflight.pop(job.rec.job, None)
+        for b in job.bufs:
+            b.busy -= 1
+        conn = job.conn
+        if conn is not None:
+            conn.inflight -= 1
+        if not isinstance(job.rec, (jobs.UnloadModule, jobs.UnloadWeights)):
+            if res.status == S.SUCCESS:
+                self.st.jobs_completed += 1
+            else:
+                self.st.jobs_failed += 1
+        if job.on_done is not None:
+            try:
+                actions = job.on_done(res)
+            except _NoRoom as e:
+                actions = [e.undo] + failure(conn, job.req, e)
+            except Reject as e:
+                actions = failure(conn, job.req, e)
+            except Exception as e:  # a bug here must not take the device down
+                actions = failure(conn, job.req, Reject(S.ERR_GENERIC, f"internal error: {e!r}")) if job.req else []
+            self._apply(conn, actions)
+        if conn is not None and conn.closed and conn.inflight == 0:
+            self._release_conn(conn)
+
+    def _fail(self, job: FrontJob, status: int, message: str, **numbers) -> None:
+        """End a job the core will not answer (it died, was never reached, or timed out)."""
+        if job.req is None and isinstance(job.rec, jobs.Call) and job.conn is not None:
+            self._send(job.conn, P.failure_response(job.req_type, job.rec.seq, status, **numbers).encode())
+        self._finish(job, jobs.Done(job.rec.job, status, message, seq=getattr(job.rec, "seq", 0), numbers=numbers))
+
+    # ================================================================ actions
+    def _apply(self, conn: Conn | None, actions) -> None:
+        for a in actions:
+            if isinstance(a, Respond):
+                if conn is not None:
+                    self._send(conn, a.msg.encode())
+            elif isinstance(a, Submit):
+                try:
+                    self.submit(a.job)
+                except Reject as e:
+                    if a.job.req is not None:
+                        self._apply(conn, failure(conn, a.job.req, e))
+                    else:
+                        conn.last_error = (a.job.rec.seq, int(e.status), str(e))
+                        self._send(conn, P.failure_response(a.job.req_type, a.job.rec.seq, e.status,
+                                                            **e.numbers).encode())
+            elif isinstance(a, Forget):
+                self._forget(a)
+            elif isinstance(a, Notify):
+                targets = self.cores if a.core is None else [self.cores[a.core]]
+                for c in targets:
+                    if c.ready and (a.generation is None or c.generation == a.generation):
+                        self._send_core(c, a.rec)
+            elif isinstance(a, _To):
+                if not a.conn.closed:
+                    self._send(a.conn, a.msg.encode())
+
+    def _send_core(self, c: CoreProc, rec) -> None:
+        if not c.send(rec):
+            return  # a dead core is noticed by housekeeping
+        if c.outq:
+            self._modify(c.ep.fileno(), _EPOLLIN | _EPOLLOUT)
+
+    def _forget(self, f: Forget) -> None:
+        for c in self.cores:
+            plans = [p for p in f.plans if p in c.plans]
+            conns = [x for x in f.conns if x in c.known_conns]
+            bufs = [b for b in f.bufs if b in c.known_bufs]
+            if plans or conns or bufs:
+                c.plans.difference_update(plans)
+                c.known_conns.difference_update(conns)
+                c.known_bufs.difference_update(bufs)
+                if c.ready:
+                    self._send_core(c, jobs.Forget(plans=plans, conns=conns, bufs=bufs))
+
+    # ================================================================ connections
+    def _accept(self, _arg, _events) -> None:
+        try:
+            s, _ = self.lsock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:  # EMFILE/ENFILE/ENOMEM: stop accepting for a moment instead of spinning or dying
+            self.log(f"accept failed ({e}); pausing new connections for 100 ms")
+            self._unregister(self.lsock.fileno())
+            self._accept_paused = time.monotonic() + 0.1
+            return
+        if len(self.st.conns) >= MAX_CONNS:
+            self.log(f"refused a connection: {len(self.st.conns)} open (limit {MAX_CONNS})")
+            s.close()
+            return
+        uid = peer_uid(s)
+        if uid != os.getuid():
+            # Another user's process: refuse before reading anything from it.
+            self.log(f"refused a peer of uid {uid}")
+            s.close()
+            return
+        s.setblocking(False)
+        conn = Conn(self.st.new_id(), Endpoint(s), uid)
+        self.st.conns[conn.cid] = conn
+        self._register(s.fileno(), self._on_conn, conn)
+
+    def _on_conn(self, conn: Conn, events: int) -> None:
+        if conn.outbox:
+            # Writable again (or hung up): drain first.  Its requests are read
+            # again only once every response it is owed has been taken.
+            self._flush(conn)
+            return
+        try:
+            data, fds, truncated = conn.ep.recv_ready()
+        except PeerClosed:
+            self._close_conn(conn)
+            return
+        except (BlockingIOError, InterruptedError, Timeout):
+            return
+        except OSError:
+            self._close_conn(conn)
+            return
+        try:
+            if conn.inflight:
+                self._drain_for(conn)
+            self._dispatch(conn, data, fds, truncated)
+        except Exception as e:  # a bug on one connection must not take the device down
+            self.log(f"internal error on connection {conn.cid}: {e!r}")
+            self._close_conn(conn)
+        finally:
+            for fd in fds:  # handlers take the fds they keep out of this list
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _dispatch(self, conn: Conn, data: bytes, fds: list, truncated: bool) -> None:
+        hdr = P.peek_header(data)
+        if truncated:
+            conn.last_error = (hdr[1] if hdr else 0, S.ERR_INVALID, f"datagram longer than {P.MAX_MSG} bytes")
+            self._send(conn, P.error_response(hdr[0] if hdr else 0, hdr[1] if hdr else 0, S.ERR_INVALID))
+            return
+        key = None
+        if hdr is not None and hdr[0] in PLANNED and not fds:
+            key = Handlers.plan_key(conn, hdr[0], data)
+            plan = conn.plans.get(key) if key is not None else None
+            if plan is not None:
+                actions = self.handlers.replay(conn, plan, hdr[1])
+                if actions is not None:
+                    self._apply(conn, actions)
+                    return
+        try:
+            if hdr and hdr[0] & P.RESPONSE_BIT and hdr[2] == len(data):
+                raise P.ProtocolError(f"0x{hdr[0]:04X} is not a request type", S.ERR_OP, hdr[1], hdr[0])
+            req = P.decode(data)
+        except P.ProtocolError as e:
+            conn.last_error = (e.seq or 0, int(e.status), str(e))
+            self._send(conn, P.error_response(e.msg_type, e.seq, e.status))
+            return
+        if key is not None:
+            try:
+                actions = self.handlers._table[req.TYPE](conn, req, fds, key=key)
+            except Reject as e:
+                actions = failure(conn, req, e)
+        else:
+            actions = self.handlers.handle(conn, req, fds)
+        self._apply(conn, actions)
+
+    def _send(self, conn: Conn, data: bytes) -> None:
+        if conn.closed:
+            return
+        if conn.outbox:  # keep the order of responses
+            self._queue_out(conn, data)
+            return
+        try:
+            conn.ep.sock.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            # The peer is not reading: keep the response and stop reading its
+            # requests until it does (EPOLLOUT tells us when).
+            self._queue_out(conn, data)
+            self._modify(conn.ep.fileno(), _EPOLLOUT)
+        except OSError:
+            self._close_conn(conn)
+
+    def _queue_out(self, conn: Conn, data: bytes) -> None:
+        if len(conn.outbox) >= MAX_OUTBOX:
+            self.log(f"connection {conn.cid} does not read its responses ({len(conn.outbox)} queued); closing it")
+            self._close_conn(conn)
+            return
+        conn.outbox.append(data)
+
+    def _flush(self, conn: Conn) -> None:
+        while conn.outbox and not conn.closed:
+            try:
+                conn.ep.sock.send(conn.outbox[0], socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._close_conn(conn)
+                return
+            conn.outbox.pop(0)
+        if not conn.closed:
+            self._modify(conn.ep.fileno(), _EPOLLIN)
+
+    def _close_conn(self, conn: Conn, notify_cores: bool = True) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        conn.outbox.clear()
+        self._unregister(conn.ep.fileno())
+        try:
+            # Cores that answer this client hold copies of its socket: shut it
+            # down for all of them, so the peer sees the close now.
+            conn.ep.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        conn.ep.close()
+        # Queued jobs of a closed connection will never be answered: drop them.
+        mine = [e for e in self.pending if e[2].conn is conn]
+        if mine:
+            self.pending = [e for e in self.pending if e[2].conn is not conn]
+            heapq.heapify(self.pending)
+            for _, _, j in mine:
+                for b in j.bufs:
+                    b.busy -= 1
+                conn.inflight -= 1
+        if conn.inflight == 0:
+            self._release_conn(conn, notify_cores)
+        # else: its job still runs on a core; housekeeping asks the core to abort it
+
+    def _release_conn(self, conn: Conn, notify_cores: bool = True) -> None:
+        """Free everything the connection held: models, modules, buffers."""
+        h = self.handlers
+        actions = h.invalidate(conn)
+        for mid in list(conn.models):
+            actions += h.unload_model(self.st.models[mid])
+        for handle in list(conn.modules):
+            actions += h.unload_module(self.st.modules[handle])
+        for addr in list(conn.bufs):
+            actions += h.detach(conn, addr)
+        actions.append(Forget(conns=[conn.cid]))
+        self.st.conns.pop(conn.cid, None)
+        if notify_cores:
+            self._apply(None, actions)

@@ -1,0 +1,165 @@
+"""What the front knows: connections, their buffers, modules and models, the
+op table and the device-wide accounting.  Pure state, no sockets."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from ... import memory
+from ...memory import AddressError, AddressSpace, Region
+from ...abi.protocol import Status as S
+
+MAX_PENDING_PER_CONN = 256
+MAX_PENDING = 4096
+# The source travels to every core inside one internal job message, which
+# must fit a socket buffer: op libraries are small files.
+MAX_OPLIB_SOURCE = 128 << 10
+# Past these a request is refused with a status instead of exhausting the
+# front's file descriptors or the job channel (SCM_RIGHTS carries at most
+# 253 fds per message).
+MAX_CONNS = 512  # a connection past this is accepted and closed at once
+MAX_BUFS_PER_CONN = 128  # BUF_ATTACH past this is ERR_NOMEM
+MAX_INPUTS = 4096  # INFER_LARGE past this is ERR_INVALID
+# Plans (validated INFER/RPC requests) a connection keeps; the oldest goes first.
+MAX_PLANS_PER_CONN = 16
+
+
+class Reject(Exception):
+    """A request refused with a status; ``numbers`` fill response fields."""
+
+    def __init__(self, status: int, message: str, **numbers):
+        super().__init__(message)
+        self.status = status
+        self.numbers = numbers
+
+
+@dataclass
+class Buffer:
+    buf_id: int
+    fd: int
+    region: Region
+    staging: bool = False
+    kv_size: int = 0
+    busy: int = 0  # jobs in flight that use it
+
+
+@dataclass
+class Plan:
+    """A validated INFER or RPC: what a request with the same bytes becomes."""
+    plan_id: int
+    core: int  # a core index, or CORE_ANY
+    spec: object  # jobs.InferSpec | jobs.RpcSpec
+    used: list  # Buffers the job holds busy
+    priority: int = 0
+    timeout_ms: int = 0
+
+
+@dataclass
+class Conn:
+    cid: int
+    ep: object  # transport.Endpoint; only the loop touches it
+    uid: int
+    space: AddressSpace = field(default_factory=AddressSpace)
+    bufs: dict = field(default_factory=dict)  # addr -> Buffer
+    printf: tuple | None = None  # (addr, size)
+    modules: set = field(default_factory=set)
+    models: set = field(default_factory=set)
+    last_error: tuple = (0, 0, "")
+    inflight: int = 0
+    closed: bool = False
+    outbox: list = field(default_factory=list)  # encoded responses waiting for room in the socket
+    plans: dict = field(default_factory=dict)  # request bytes (seq left out) -> Plan
+
+    @property
+    def staging(self) -> Buffer | None:
+        for b in self.bufs.values():
+            if b.staging:
+                return b
+        return None
+
+    def kv_region(self):
+        st = self.staging
+        if st is None or st.kv_size == 0:
+            return None
+        return st, st.region.end() - st.kv_size, st.kv_size
+
+    def resolve(self, addr: int, size: int, what: str) -> tuple[Buffer, int]:
+        """Buffer and offset of [addr, addr+size) inside one of this connection's buffers."""
+        try:
+            r = self.space.find(addr, size)
+        except AddressError:
+            raise Reject(S.ERR_ADDR, f"{what} 0x{addr:x}+{size} is not inside a buffer of this connection") from None
+        return self.bufs[r.addr], addr - r.addr
+
+
+@dataclass
+class ModuleRec:
+    handle: int
+    cid: int
+    core: int
+    generation: int
+    kind: str  # "module" | "oplib"
+    ddr_bytes: int = 0
+    signature: dict | None = None
+
+
+@dataclass
+class ModelRec:
+    model_id: int
+    cid: int
+    core: int
+    generation: int
+    ddr_bytes: int
+    num_constants: int
+
+
+class DeviceState:
+    """The front's bookkeeping of everything connections hold."""
+
+    def __init__(self, carveout_size: int = memory.CARVEOUT_SIZE, ddr_pool_size: int = memory.DDR_POOL_SIZE):
+        self.window = memory.FirstFit(memory.CARVEOUT_BASE, carveout_size)
+        self.ddr = memory.Pool("ddr", memory.DDR_POOL_BASE, ddr_pool_size)
+        self.started = time.monotonic()
+        self.jobs_completed = 0
+        self.jobs_failed = 0
+        self.conns: dict[int, Conn] = {}
+        self.modules: dict[int, ModuleRec] = {}
+        self.models: dict[int, ModelRec] = {}
+        self.op_table: dict[int, tuple] = {}  # cmd -> (name, latency_us, lib_handle)
+        self.op_sources: dict[int, tuple[bytes, str]] = {}  # lib handle -> (source, filename)
+        self._ids = itertools.count(1)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def uptime_ms(self) -> int:
+        return int((time.monotonic() - self.started) * 1000) & 0xFFFFFFFF
+
+    def module(self, conn: Conn, handle: int) -> ModuleRec:
+        rec = self.modules.get(handle)
+        if rec is None or rec.kind != "module" or rec.cid != conn.cid:
+            raise Reject(S.ERR_HANDLE, f"unknown module handle {handle}")
+        return rec
+
+    def drop_module(self, rec: ModuleRec) -> None:
+        self.modules.pop(rec.handle, None)
+        conn = self.conns.get(rec.cid)
+        if conn:
+            conn.modules.discard(rec.handle)
+        self.ddr.give(rec.ddr_bytes)
+        self._maybe_reset_pool()
+
+    def drop_model(self, rec: ModelRec) -> None:
+        self.models.pop(rec.model_id, None)
+        conn = self.conns.get(rec.cid)
+        if conn:
+            conn.models.discard(rec.model_id)
+        self.ddr.give(rec.ddr_bytes)
+        self._maybe_reset_pool()
+
+    def _maybe_reset_pool(self) -> None:
+        # SPEC §5: pools are reset when nothing is loaded, so back-to-back
+        # load cycles start from the same figures.
+        if not any(m.kind == "module" for m in self.modules.values()) and not self.models:
+            self.ddr.used = 0
