@@ -2,8 +2,13 @@
 
 softmax (cmd 0x1402) is the UCP sample operator: its input buffer holds the
 seed's ``hbDSPSoftmaxParam`` (24 bytes, see ``dspx.abi.ops``) and the output
-buffer receives softmax(data).  Written only against the runtime's export
-table, like an op library.
+buffer receives softmax(data).  It is C, written as the seed writes it
+through the operator SDK (src/dspx/sdk/dsp/builtin_softmax.cc), built once
+into the SDK cache and loaded as a native library with lib handle 0.
+
+The Python functions below are the same algorithm against the Python
+runtime (benchmarks/softmax_device.py measures them); the loadable Python
+example is examples/softmax/softmax_ops.py (cmd 0x2402).
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import math
 
 import numpy as np
 
-from ...abi.ops import SOFTMAX_CMD, SOFTMAX_LATENCY_US, SOFTMAX_PARAM, read_softmax_param
+from ...abi.ops import SOFTMAX_CMD, SOFTMAX_PARAM, read_softmax_param
 from .runtime import (TILE_ELEMS, Status, cycles, mem_map, mem_unmap, ping_pong, printf, vecexp_max,
                       vecmax, vecmul)
 
@@ -94,5 +99,8 @@ def _softmax_paths(src, dst, tcm, tm) -> None:
 
 
 def register(registry) -> None:
-    """Put the firmware operators into an OpRegistry."""
-    registry.register(SOFTMAX_CMD, softmax, SOFTMAX_LATENCY_US, "softmax")
+    """Put the firmware operators into an OpRegistry: the C softmax."""
+    from ... import sdk
+
+    path = sdk.builtin_softmax()
+    registry.register_native(path.read_bytes(), path.name, names={SOFTMAX_CMD: "softmax"})

@@ -14,6 +14,10 @@ An op library is Python source shipped to the running device (the UCP
 Then its top level runs and its ``register_op`` calls are collected; the
 library is installed only if every command id is free (``ERR_BUSY``
 otherwise, and nothing of it stays registered).
+
+Bytes starting with the ELF magic are a native library (C/C++ against the
+SDK): checked, probed and loaded by ``native``, then installed by the same
+rules; its handlers run through the runtime shim.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...abi.protocol import Status
-from . import runtime
+from . import native, runtime
 from .errors import OpBusy, OpLoadError, OpSymbolError, UnknownLibrary, UnknownOp
 
 RUNTIME_MODULE = "dspx.device.core.runtime"
@@ -69,8 +73,9 @@ class OpResult(NamedTuple):
 
 
 class _Library:
-    def __init__(self, handle: int, code_name: str, cmds: list[int]):
-        self.handle, self.code_name, self.cmds = handle, code_name, cmds
+    def __init__(self, handle: int, code_name: str | None, cmds: list[int],
+                 native_lib: native.NativeLibrary | None = None):
+        self.handle, self.code_name, self.cmds, self.native = handle, code_name, cmds, native_lib
 
 
 def _dotted(node: ast.AST) -> str | None:
@@ -146,6 +151,7 @@ class OpRegistry:
         self._ops: dict[int, Op] = {}
         self._libs: dict[int, _Library] = {}
         self._next_handle = BUILTIN_LIB + 1
+        self._firmware: list[native.NativeLibrary] = []
 
     def register(self, cmd: int, handler: Callable, latency_us: int = 0, name: str | None = None,
                  lib: int = BUILTIN_LIB) -> None:
@@ -164,6 +170,8 @@ class OpRegistry:
     def load_library(self, source: str | bytes, filename: str = "<oplib>", handle: int | None = None) -> int:
         """Check, run and install an op library; returns its handle.  ``handle``
         lets a device give every core's registry the same number."""
+        if native.is_native(source):
+            return self._load_native(bytes(source), filename, handle)
         if isinstance(source, bytes):
             try:
                 source = source.decode("utf-8")
@@ -203,6 +211,45 @@ class OpRegistry:
         self._next_handle = max(self._next_handle, handle + 1)
         return handle
 
+    def _install_native(self, lib: native.NativeLibrary, handle: int) -> list[int]:
+        """Register a native library's ops, all or none (ERR_BUSY)."""
+        seen: set[int] = set()
+        for cmd, op, _ in lib.ops:
+            if cmd in self._ops:
+                raise OpBusy(cmd, self._ops[cmd].lib, self._ops[cmd].name)
+            if cmd in seen:
+                raise OpBusy(cmd, handle, op.name)
+            seen.add(cmd)
+        for cmd, op, latency in lib.ops:
+            self._ops[cmd] = Op(cmd, op, latency, op.name, handle)
+        return [cmd for cmd, *_ in lib.ops]
+
+    def _load_native(self, data: bytes, filename: str, handle: int | None) -> int:
+        if handle is None:
+            handle = self._next_handle
+        elif handle in self._libs or handle == BUILTIN_LIB:
+            raise OpLoadError(f"op library handle {handle} is already in use")
+        lib = native.NativeLibrary(data, filename)
+        try:
+            cmds = self._install_native(lib, handle)
+        except BaseException:
+            lib.close()
+            raise
+        self._libs[handle] = _Library(handle, None, cmds, lib)
+        self._next_handle = max(self._next_handle, handle + 1)
+        return handle
+
+    def register_native(self, data: bytes, filename: str, names: dict[int, str] | None = None) -> None:
+        """Firmware operators from a native library (lib handle 0, never
+        unloaded; trusted, so no probe)."""
+        lib = native.NativeLibrary(data, filename, probe=False, names=names)
+        try:
+            self._install_native(lib, BUILTIN_LIB)
+        except BaseException:
+            lib.close()
+            raise
+        self._firmware.append(lib)
+
     @staticmethod
     def _run_top_level(tree: ast.Module, filename: str, code_name: str, namespace: dict) -> list:
         try:
@@ -222,7 +269,10 @@ class OpRegistry:
             raise UnknownLibrary(handle)
         for cmd in lib.cmds:
             del self._ops[cmd]
-        linecache.cache.pop(lib.code_name, None)
+        if lib.native is not None:
+            lib.native.close()
+        else:
+            linecache.cache.pop(lib.code_name, None)
 
     def libraries(self) -> list[int]:
         return sorted(self._libs)
@@ -236,6 +286,10 @@ class OpRegistry:
         op = self._ops.get(cmd)
         if op is None:
             raise UnknownOp(cmd)
+        if isinstance(op.handler, native.NativeOp):
+            status, rv, elapsed, text = native.run(op.handler, input, output, task)
+            task.write(text)
+            return OpResult(status, rv, elapsed, task.printf_text())
         status = Status.SUCCESS
         with runtime.activate(task):
             start = runtime.cycles()

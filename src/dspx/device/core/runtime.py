@@ -305,6 +305,7 @@ class Core:
         self.l2.fill(0)  # touch every page now, not inside the first task
         self.tm = TileManager(self.l2)
         self.dma = DmaEngine(self.tm, timeout=dma_timeout)
+        self.native = None  # the native ops' runtime (dspx.device.core.native.Context), made on first use
 
     def settle(self) -> list[str]:
         """Return the core to idle after a task: wait for copies the handler
@@ -326,6 +327,9 @@ class Core:
 
     def close(self) -> None:
         self.dma.close()
+        if self.native is not None:
+            self.native.close()
+            self.native = None
 
     def __enter__(self) -> "Core":
         return self

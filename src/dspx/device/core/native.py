@@ -1,0 +1,367 @@
+"""Native op libraries: C/C++ operators built against the SDK (dspx/dsp.h).
+
+A native library arrives as ELF bytes (``dspx load-ops LIB.so``; the op
+registry tells it from Python source by the ELF magic).  Before any of its
+code runs, ``check`` reads it with pyelftools and refuses:
+
+* anything but ELFCLASS64 / little endian / EM_X86_64 / ET_DYN, or an
+  executable (PT_INTERP) — ERR_LOAD;
+* an undefined dynamic symbol outside the op export table
+  (``native_exports.OP_EXPORTS``) — ERR_SYMBOL naming it;
+* DT_NEEDED other than libc/libm/libgcc_s/libstdc++ — ERR_SYMBOL naming it;
+* constructors and destructors of its own: ``.init_array`` / ``.fini_array``
+  entries other than the compiler's ``frame_dummy`` /
+  ``__do_global_dtors_aux``, ``.preinit_array``, ``.ctors``/``.dtors``, a
+  DT_INIT/DT_FINI that is not the ``.init``/``.fini`` boilerplate — ERR_LOAD;
+* no exported ``dspx_ops_init`` — ERR_SYMBOL.
+
+Then ``dspx_ops_init`` runs once in a forked probe (a crash or hang there
+is ERR_LOAD, and the core never sees it), then for real: the library is
+mapped from a memfd and its ``hb_dsp_register_fn`` calls are collected.
+
+Handlers run through the runtime shim (src/dspx/sdk/dsp/runtime.c, loaded
+RTLD_GLOBAL so libraries resolve the SDK against it) by a ctypes call that
+releases the GIL: two cores — or two threads — run native ops in parallel.
+"""
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import signal
+import time
+
+import numpy as np
+from elftools.elf.elffile import ELFFile
+
+from ...abi.protocol import Status
+from .errors import OpLoadError, OpSymbolError
+from .native_exports import ALLOWED_NEEDED, check_imports
+
+ELF_MAGIC = b"\x7fELF"
+INIT_SYMBOL = "dspx_ops_init"
+ALLOWED_INIT = frozenset({"frame_dummy"})
+ALLOWED_FINI = frozenset({"__do_global_dtors_aux"})
+PROBE_TIMEOUT_S = 10
+MAX_OPS = 256
+TEXT_CAP = 256 << 10
+R_X86_64_RELATIVE = 8
+
+
+def is_native(source) -> bool:
+    return isinstance(source, (bytes, bytearray, memoryview)) and bytes(source[:4]) == ELF_MAGIC
+
+
+# ------------------------------------------------------------------ checks before anything is mapped
+
+def _array_targets(elf: ELFFile, sec) -> list[int]:
+    """The function addresses in an .init_array-like section: relocated
+    (R_X86_64_RELATIVE addends) or, failing that, the stored values."""
+    lo, size = sec["sh_addr"], sec["sh_size"]
+    data = sec.data()
+    targets = {off: int.from_bytes(data[off:off + 8], "little") for off in range(0, size - size % 8, 8)}
+    for rel in elf.iter_sections():
+        if rel["sh_type"] != "SHT_RELA":
+            continue
+        for r in rel.iter_relocations():
+            off = r["r_offset"] - lo
+            if 0 <= off < size and r["r_info_type"] == R_X86_64_RELATIVE:
+                targets[off] = r["r_addend"]
+    return list(targets.values())
+
+
+def _check_init(elf: ELFFile, filename: str) -> None:
+    names: dict[int, set[str]] | None = None
+    symtab = elf.get_section_by_name(".symtab")
+    if symtab is not None:
+        names = {}
+        for s in symtab.iter_symbols():
+            if s["st_info"]["type"] == "STT_FUNC":
+                names.setdefault(s["st_value"], set()).add(s.name)
+    for secname, allowed in ((".init_array", ALLOWED_INIT), (".fini_array", ALLOWED_FINI),
+                             (".preinit_array", frozenset()), (".ctors", None), (".dtors", None)):
+        sec = elf.get_section_by_name(secname)
+        if sec is None or sec["sh_size"] == 0:
+            continue
+        if allowed is None:  # old-style lists: only the -1 ... 0 markers
+            words = [int.from_bytes(sec.data()[i:i + 8], "little") for i in range(0, sec["sh_size"], 8)]
+            if any(w not in (0, (1 << 64) - 1) for w in words):
+                raise OpLoadError(f"{filename}: {secname} lists constructors; native op libraries may not "
+                                  "run code when loaded (register from dspx_ops_init)")
+            continue
+        for target in _array_targets(elf, sec):
+            if names is None:
+                raise OpLoadError(f"{filename}: {secname} cannot be checked without a symbol table "
+                                  "(do not strip op libraries)")
+            got = names.get(target, set())
+            if not got & allowed:
+                what = ", ".join(sorted(got)) or f"0x{target:x}"
+                raise OpLoadError(f"{filename}: {secname} runs {what} when the library is loaded or unloaded; "
+                                  "native op libraries may not have constructors or destructors "
+                                  "(register from dspx_ops_init)")
+    dyn = elf.get_section_by_name(".dynamic")
+    for tag in dyn.iter_tags() if dyn is not None else ():
+        kind = tag.entry.d_tag
+        if kind in ("DT_INIT", "DT_FINI"):
+            sec = elf.get_section_by_name(".init" if kind == "DT_INIT" else ".fini")
+            if sec is None or tag.entry.d_val != sec["sh_addr"]:
+                raise OpLoadError(f"{filename}: {kind} points at 0x{tag.entry.d_val:x}, not the compiler's "
+                                  f"{'.init' if kind == 'DT_INIT' else '.fini'} boilerplate")
+        elif kind in ("DT_PREINIT_ARRAY",):
+            raise OpLoadError(f"{filename}: {kind} is not allowed in an op library")
+
+
+def check(data: bytes, filename: str = "<oplib>") -> None:
+    """Every check made before the library is mapped (see the module doc)."""
+    buf = bytes(data)
+    if len(buf) < 64 or buf[:4] != ELF_MAGIC:
+        raise OpLoadError(f"{filename}: not an ELF file")
+    if buf[4] != 2:
+        raise OpLoadError(f"{filename}: ELF class {buf[4]}, native op libraries are ELFCLASS64")
+    if buf[5] != 1:
+        raise OpLoadError(f"{filename}: ELF data encoding {buf[5]} is not little endian")
+    try:
+        elf = ELFFile(io.BytesIO(buf))
+        machine, etype = elf["e_machine"], elf["e_type"]
+        interp = any(True for _ in elf.iter_segments("PT_INTERP"))
+        dynsym = elf.get_section_by_name(".dynsym")
+        undefined, defined = [], set()
+        for sym in dynsym.iter_symbols() if dynsym is not None else ():
+            if not sym.name:
+                continue
+            if sym["st_shndx"] == "SHN_UNDEF":
+                undefined.append(sym.name)
+            else:
+                defined.add(sym.name)
+        dyn = elf.get_section_by_name(".dynamic")
+        needed = [t.needed for t in dyn.iter_tags("DT_NEEDED")] if dyn is not None else []
+        if machine == "EM_X86_64" and etype == "ET_DYN" and not interp:
+            _check_init(elf, filename)
+    except (OpLoadError, OpSymbolError):
+        raise
+    except Exception as e:  # pyelftools reports corrupt input with assorted exception types
+        raise OpLoadError(f"{filename}: malformed ELF: {type(e).__name__}: {e}") from None
+    if machine != "EM_X86_64":
+        raise OpLoadError(f"{filename}: ELF for machine {machine}, this device is EM_X86_64")
+    if etype != "ET_DYN":
+        raise OpLoadError(f"{filename}: ELF type {etype}, an op library is a shared object (ET_DYN)")
+    if interp:
+        raise OpLoadError(f"{filename}: an executable (it has PT_INTERP), not a shared library")
+    if dynsym is None:
+        raise OpLoadError(f"{filename}: no dynamic symbol table (.dynsym)")
+    bad = check_imports(undefined)
+    if bad is not None:
+        raise OpSymbolError(bad, f"{filename}: imports {bad!r}, which is not in the op export table "
+                                 "(docs/custom-ops.md)")
+    for lib in needed:
+        if lib not in ALLOWED_NEEDED:
+            raise OpSymbolError(lib, f"{filename}: needs {lib!r}; op libraries may link only "
+                                     f"{', '.join(sorted(ALLOWED_NEEDED))}")
+    if INIT_SYMBOL not in defined:
+        raise OpSymbolError(INIT_SYMBOL, f"{filename}: no exported {INIT_SYMBOL}() (declare it extern \"C\" "
+                                         "and register the ops there)")
+
+
+# ------------------------------------------------------------------ the runtime shim
+
+_shim = None
+
+
+def shim() -> ctypes.CDLL:
+    """The runtime shim, built on first use and loaded RTLD_GLOBAL."""
+    global _shim
+    if _shim is None:
+        from ... import sdk
+        lib = ctypes.CDLL(str(sdk.runtime_shim()), mode=ctypes.RTLD_GLOBAL)
+        P, I, U64, SZ = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t
+        lib.dspx_rt_new.argtypes, lib.dspx_rt_new.restype = [P, SZ], P
+        lib.dspx_rt_free.argtypes, lib.dspx_rt_free.restype = [P], None
+        lib.dspx_rt_set_regions.argtypes, lib.dspx_rt_set_regions.restype = [P, I, P], I
+        lib.dspx_rt_run.argtypes = [P, P, P, SZ, P, SZ, ctypes.POINTER(I), ctypes.POINTER(U64)]
+        lib.dspx_rt_run.restype = I
+        lib.dspx_rt_take_text.argtypes = [P, ctypes.c_char_p, SZ, ctypes.POINTER(U64)]
+        lib.dspx_rt_take_text.restype = SZ
+        lib.dspx_rt_collect_begin.argtypes, lib.dspx_rt_collect_begin.restype = [], None
+        lib.dspx_rt_collect_end.argtypes = [I, P, P, P, ctypes.c_char_p, I]
+        lib.dspx_rt_collect_end.restype = I
+        lib.dspx_rt_symbol_name.argtypes, lib.dspx_rt_symbol_name.restype = [P, ctypes.c_char_p, I], None
+        _shim = lib
+    return _shim
+
+
+class Context:
+    """One core's native runtime: its L2 (the runtime.Core's buffer), tile
+    manager and DMA threads."""
+
+    def __init__(self, l2: np.ndarray):
+        self._l2 = l2  # keeps the buffer alive as long as the shim uses it
+        self.ptr = shim().dspx_rt_new(l2.ctypes.data, l2.nbytes)
+        if not self.ptr:
+            raise MemoryError("cannot create the native runtime context")
+        self._text = ctypes.create_string_buffer(TEXT_CAP)
+        self._rv, self._cycles, self._dropped = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64()
+
+    def close(self) -> None:
+        if self.ptr:
+            shim().dspx_rt_free(self.ptr)
+            self.ptr = None
+
+    def run(self, fn: int, input: np.ndarray, output: np.ndarray, space) -> tuple[int, int, int, str]:
+        """(fault status, handler return, cycles, printf text) of one task."""
+        rt = shim()
+        triples = []
+        for r in getattr(space, "regions", {}).values():
+            if r.mm is not None:
+                triples += (r.addr, r.size, np.frombuffer(r.mm, np.uint8).__array_interface__["data"][0])
+        table = (ctypes.c_uint64 * len(triples))(*triples)
+        rt.dspx_rt_set_regions(self.ptr, len(triples) // 3, table)
+        fault = rt.dspx_rt_run(self.ptr, fn, input.__array_interface__["data"][0], input.nbytes,
+                               output.__array_interface__["data"][0], output.nbytes,
+                               ctypes.byref(self._rv), ctypes.byref(self._cycles))
+        n = rt.dspx_rt_take_text(self.ptr, self._text, TEXT_CAP, ctypes.byref(self._dropped))
+        text = self._text.raw[:n].decode("utf-8", "replace") if n else ""
+        if self._dropped.value:
+            text = f"[dspx] printf: {self._dropped.value} earlier bytes dropped\n" + text
+        return fault, self._rv.value, self._cycles.value, text
+
+
+def context_of(core) -> Context:
+    """The native context of a runtime.Core, created on first use."""
+    ctx = getattr(core, "native", None)
+    if ctx is None:
+        ctx = core.native = Context(core.l2)
+    return ctx
+
+
+def run(op: "NativeOp", input: np.ndarray, output: np.ndarray, task) -> tuple[int, int, int, str]:
+    """(status, return value, cycles, printf text).  A handler that returns
+    non-zero after an SDK call failed ends with that call's status (ERR_ADDR
+    for a bad hb_dsp_mem_map ...), and the return value repeats it."""
+    fault, rv, cycles, text = context_of(task.core).run(op.fn, input, output, task.space)
+    if fault and rv != 0:
+        return fault, fault, cycles, text
+    return int(Status.SUCCESS), rv, cycles, text
+
+
+# ------------------------------------------------------------------ loading
+
+class NativeOp:
+    """A registered native handler (what OpRegistry keeps as the handler)."""
+
+    __slots__ = ("lib", "fn", "name")
+
+    def __init__(self, lib: "NativeLibrary", fn: int, name: str):
+        self.lib, self.fn, self.name = lib, fn, name
+
+    def __call__(self, *args):  # a native op is run by OpRegistry.run, never called from Python
+        raise TypeError(f"native op {self.name} runs through the runtime shim")
+
+
+def _demangle(name: str) -> str:
+    """The function name of an Itanium-mangled symbol (``_Z14hb_dsp_softmaxPvS_S_``)."""
+    if name.startswith("_Z") and name[2:3].isdigit():
+        digits = ""
+        for ch in name[2:]:
+            if not ch.isdigit():
+                break
+            digits += ch
+        return name[2 + len(digits):2 + len(digits) + int(digits)]
+    return name
+
+
+def _probe(path: str, filename: str) -> None:
+    """Run dspx_ops_init once in a forked child: a crash or hang there is
+    ERR_LOAD and never reaches the core."""
+    rt = shim()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 0
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # ends the child even inside native code
+            signal.alarm(PROBE_TIMEOUT_S)
+            lib = ctypes.CDLL(path)
+            rt.dspx_rt_collect_begin()
+            getattr(lib, INIT_SYMBOL)()
+        except BaseException:
+            code = 1
+        os._exit(code)
+    deadline = time.monotonic() + PROBE_TIMEOUT_S + 5
+    done, status = 0, 0
+    try:
+        while not done:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if not done:
+                if time.monotonic() > deadline:
+                    raise OpLoadError(f"{filename}: {INIT_SYMBOL} did not return within {PROBE_TIMEOUT_S} s")
+                time.sleep(0.001)
+    finally:
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig == signal.SIGALRM:
+            raise OpLoadError(f"{filename}: {INIT_SYMBOL} did not return within {PROBE_TIMEOUT_S} s")
+        raise OpLoadError(f"{filename}: {INIT_SYMBOL} crashed ({signal.Signals(sig).name})")
+
+
+class NativeLibrary:
+    """A checked, mapped native library and the ops its init registered:
+    ``ops`` is a list of (cmd, NativeOp, latency_us)."""
+
+    def __init__(self, data: bytes, filename: str = "<oplib>", *, probe: bool = True,
+                 names: dict[int, str] | None = None):
+        check(data, filename)
+        rt = shim()
+        self.filename = filename
+        self._fd = os.memfd_create("dspx-oplib", os.MFD_CLOEXEC)
+        self._dll = None
+        try:
+            view = memoryview(bytes(data))
+            while view:
+                view = view[os.write(self._fd, view):]
+            # The fd stays open while loaded: a reused fd number would make a
+            # later dlopen of the same /proc path return this library.
+            path = f"/proc/self/fd/{self._fd}"
+            if probe:
+                _probe(path, filename)
+            try:
+                self._dll = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+            except OSError as e:
+                raise OpLoadError(f"{filename}: dynamic loading failed: {e}") from None
+            init = getattr(self._dll, INIT_SYMBOL)
+            init.restype = ctypes.c_int
+            rt.dspx_rt_collect_begin()
+            rc = init()
+            cmds, fns, lats = (ctypes.c_int * MAX_OPS)(), (ctypes.c_void_p * MAX_OPS)(), (ctypes.c_int * MAX_OPS)()
+            err = ctypes.create_string_buffer(256)
+            n = rt.dspx_rt_collect_end(MAX_OPS, cmds, fns, lats, err, len(err))
+            if n < 0:
+                raise OpLoadError(f"{filename}: {err.value.decode(errors='replace')}")
+            if rc != 0:
+                raise OpLoadError(f"{filename}: {INIT_SYMBOL}() returned {rc}")
+            if n == 0:
+                raise OpLoadError(f"{filename}: the library registers no operators (call hb_dsp_register_fn "
+                                  f"from {INIT_SYMBOL})")
+            if n > MAX_OPS:
+                raise OpLoadError(f"{filename}: registers {n} operators, at most {MAX_OPS}")
+            self.ops = []
+            name = ctypes.create_string_buffer(256)
+            for i in range(n):
+                rt.dspx_rt_symbol_name(fns[i], name, len(name))
+                label = (names or {}).get(cmds[i]) or _demangle(name.value.decode(errors="replace")) \
+                    or f"op_{cmds[i]:x}"
+                self.ops.append((cmds[i], NativeOp(self, fns[i], label), lats[i]))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Unmap the library (its ops must be unregistered first)."""
+        if self._dll is not None:
+            import _ctypes
+            _ctypes.dlclose(self._dll._handle)
+            self._dll = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

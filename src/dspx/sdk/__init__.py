@@ -1,0 +1,162 @@
+"""The operator SDK: headers for DSP operators in C/C++, and building them.
+
+* ``INCLUDE_DIR`` holds ``dspx/dsp.h`` (the seed's DSP-side API) and
+  ``dspx/ivp.h`` (the vector intrinsics emulation); ``cflags()`` says how to
+  point a compiler at it.
+* ``build_ops(sources, output)`` compiles an op library with the system
+  compilers: ``cc`` for ``.c``, ``c++`` for ``.cc``/``.cpp``/``.cxx``,
+  ``-O2 -fPIC -shared`` plus the SDK flags.  Compiler errors come back as
+  they are, in ``BuildError``.
+* ``build_cached(...)`` builds the device's own C (the runtime shim, the
+  firmware softmax) once into ``${XDG_CACHE_HOME:-~/.cache}/dspx/sdk/dsp-<hash>/``,
+  never into the package tree.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+INCLUDE_DIR = HERE / "include"
+DSP_DIR = HERE / "dsp"
+CXX_SUFFIXES = (".cc", ".cpp", ".cxx", ".C")
+#: -ffp-contract=off: IVP_MULAN_2XF32 is documented unfused, whatever -march says.
+#: -Wno-psabi: GCC notes an ABI change for 512-bit vector arguments of the
+#: intrinsics' inline helpers, which never cross a real call.
+#: -Wl,--as-needed: no DT_NEEDED for libraries a library does not use (the
+#: device admits only libc/libm/libgcc_s/libstdc++).
+SDK_FLAGS = ("-ffp-contract=off", "-Wno-psabi")
+BASE_FLAGS = ("-O2", "-fPIC", "-shared")
+LINK_FLAGS = ("-Wl,--as-needed", "-lm")
+#: The seed's C++ unmaps with hb_dsp_mem_unmap((uint32_t)src): a 32-bit DSP
+#: pointer, an error in C++ on a 64-bit host.  -fpermissive keeps it the
+#: warning it is in C.
+CXX_FLAGS = ("-fpermissive",)
+BUILD_TIMEOUT_S = 300
+
+
+class BuildError(RuntimeError):
+    """The compiler failed; the message is its output, as it printed it."""
+
+
+def cflags() -> str:
+    return f"-I{INCLUDE_DIR}"
+
+
+def _cc() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def _cxx() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except FileNotFoundError:
+        raise BuildError(f"compiler {cmd[0]!r} not found (set CC / CXX)") from None
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"{cmd[0]} did not finish within {BUILD_TIMEOUT_S} s") from None
+    if p.returncode != 0:
+        raise BuildError(p.stdout + p.stderr)
+    return p.stdout + p.stderr
+
+
+def build_ops(sources: Sequence[str | Path], output: str | Path, extra_flags: Iterable[str] = (),
+              echo: bool = True) -> Path:
+    """Compile ``sources`` into the op library ``output``; returns its path.
+    Warnings go to stderr (when ``echo``); errors raise BuildError."""
+    sources = [Path(s) for s in sources]
+    if not sources:
+        raise BuildError("no source files")
+    for s in sources:
+        if not s.is_file():
+            raise BuildError(f"{s}: no such file")
+    output = Path(output)
+    extra = list(extra_flags)
+    cxx = any(s.suffix in CXX_SUFFIXES for s in sources)
+    common = [*BASE_FLAGS, *SDK_FLAGS, cflags(), *extra]
+    notes = []
+    with tempfile.TemporaryDirectory(prefix="dspx-build-") as tmp:
+        objs = []
+        for i, s in enumerate(sources):
+            is_cxx = s.suffix in CXX_SUFFIXES
+            obj = Path(tmp) / f"{i}-{s.stem}.o"
+            notes.append(_run([_cxx() if is_cxx else _cc(), *common, *(CXX_FLAGS if is_cxx else ()),
+                               "-c", str(s), "-o", str(obj)]))
+            objs.append(str(obj))
+        # link into a temporary name first: a reader never sees half a library
+        out_tmp = Path(tmp) / "lib.so"
+        notes.append(_run([_cxx() if cxx else _cc(), *BASE_FLAGS, *extra, *objs, "-o", str(out_tmp), *LINK_FLAGS]))
+        output.parent.mkdir(parents=True, exist_ok=True)
+        tmp_out = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+        tmp_out.write_bytes(out_tmp.read_bytes())
+        os.replace(tmp_out, output)
+    text = "".join(notes)
+    if echo and text:
+        sys.stderr.write(text)
+    return output
+
+
+# ------------------------------------------------------------------ cached device builds
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dspx" / "sdk"
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_id(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return cc
+
+
+def _headers_digest(h) -> None:
+    for p in sorted((INCLUDE_DIR / "dspx").rglob("*")):
+        if p.is_file():
+            h.update(p.name.encode())
+            h.update(p.read_bytes())
+
+
+def build_cached(name: str, sources: Sequence[Path], flags: Sequence[str] = (), *, sdk: bool = True) -> Path:
+    """``name`` built from ``sources`` into the cache (once per content,
+    compiler and flags).  ``sdk``: build as an op library (build_ops);
+    otherwise as a plain shared object with ``flags``."""
+    h = hashlib.sha256()
+    _headers_digest(h)
+    for s in sources:
+        h.update(s.name.encode())
+        h.update(s.read_bytes())
+    h.update(repr((list(flags), sdk, BASE_FLAGS, SDK_FLAGS, LINK_FLAGS, CXX_FLAGS)).encode())
+    h.update(_compiler_id(_cc()).encode())
+    h.update(_compiler_id(_cxx()).encode())
+    out = cache_root() / f"dsp-{h.hexdigest()[:16]}" / name
+    if out.is_file():
+        return out
+    if sdk:
+        return build_ops(sources, out, flags, echo=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{name}.{os.getpid()}.tmp")
+    _run([_cc(), *BASE_FLAGS, *flags, cflags(), *map(str, sources), "-o", str(tmp)])
+    os.replace(tmp, out)
+    return out
+
+
+def runtime_shim() -> Path:
+    """The core's runtime shim (dsp/runtime.c), built once."""
+    return build_cached("libdspx_dsp_rt.so", [DSP_DIR / "runtime.c"],
+                        ["-Wall", "-Wextra", "-Werror", "-fvisibility=hidden", "-pthread", "-ldl"], sdk=False)
+
+
+def builtin_softmax() -> Path:
+    """The firmware softmax (dsp/builtin_softmax.cc, cmd 0x1402), built once."""
+    return build_cached("builtin_softmax.so", [DSP_DIR / "builtin_softmax.cc"], ["-Wall", "-Wextra", "-Werror"])

@@ -1,0 +1,742 @@
+/*
+ * The DSP runtime shim: the C side of dspx/dsp.h, loaded into every core
+ * process (RTLD_GLOBAL, so native op libraries resolve against it).
+ *
+ * One context per simulated core holds its L2 (a buffer owned by Python),
+ * the tile manager over L2's two halves, a two-channel DMA engine (one
+ * pthread per channel, copies in order per channel) and the running task's
+ * state: the connection's buffers (DSP address, size, host pointer), live
+ * mem_maps, printf text and the first error an SDK call reported.  The
+ * handler runs on the thread that called dspx_rt_run; SDK calls find the
+ * context through a thread-local.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "dspx/dsp.h"
+
+#undef printf
+
+/* dspx wire status codes (dspx.abi.protocol.Status) */
+enum { ST_INVALID = -2, ST_NOMEM = -3, ST_TIMEOUT = -5, ST_ADDR = -6 };
+
+#define MAX_REGIONS 256
+#define MAX_MAPS 256
+#define MAX_TILES 256
+#define QCAP 64
+#define TEXT_CAP (256 << 10)
+#define DMA_TIMEOUT_S 10
+#define DSPX_EXPORT __attribute__((visibility("default")))
+
+struct region { uint64_t dsp, size; uint8_t *host; };
+struct tile { size_t off, size; int bank; };
+
+/* Up to four nested loops over bytes: cnt[0] bytes per row, dim[k] strides. */
+struct pattern { uint8_t *base; int64_t cnt[4], dim[4]; };
+
+struct job {
+    const uint8_t *src;
+    uint8_t *dst;
+    size_t n;
+    int strided;          /* an auto-increment block: n bytes from stream offset start */
+    struct pattern sp, dp;
+    uint64_t start;
+    int tiles[2];         /* L2 offsets + 1 of the tiles touched, 0 = none */
+    size_t tile_off[2];
+};
+
+struct autoinc { int configured; struct pattern sp, dp; uint64_t block, nblocks, next; size_t tile_off[2]; int tiles[2]; };
+
+struct channel {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct job q[QCAP];
+    uint64_t submitted, done, waited;
+    int stop;
+    struct autoinc ai;
+};
+
+struct xvTileManager { struct dspx_ctx *ctx; };
+
+struct dspx_ctx {
+    struct xvTileManager tm;
+    uint8_t *l2;
+    size_t l2_size;
+    struct tile tiles[MAX_TILES]; /* sorted by offset */
+    int ntiles;
+    struct region regions[MAX_REGIONS];
+    int nregions;
+    struct { uint8_t *host; size_t size; } maps[MAX_MAPS];
+    int nmaps;
+    uint8_t *in, *out;
+    size_t in_size, out_size;
+    struct channel ch[DSPX_DMA_CHANNELS];
+    char *text;
+    size_t text_total;
+    int fault;
+};
+
+static __thread struct dspx_ctx *cur;
+
+/* ------------------------------------------------------------ text */
+
+static void text_append(struct dspx_ctx *c, const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        c->text[(c->text_total + i) % TEXT_CAP] = s[i];
+    c->text_total += n;
+}
+
+static void vemit(const char *prefix, const char *fmt, va_list ap, int newline) {
+    char small[1024];
+    va_list aq;
+    va_copy(aq, ap);
+    int n = vsnprintf(small, sizeof small, fmt, aq);
+    va_end(aq);
+    if (n < 0)
+        return;
+    char *s = small;
+    if ((size_t)n >= sizeof small) {
+        s = malloc((size_t)n + 1);
+        if (s == NULL)
+            return;
+        vsnprintf(s, (size_t)n + 1, fmt, ap);
+    }
+    int add_nl = newline && (n == 0 || s[n - 1] != '\n');
+    if (cur != NULL) {
+        text_append(cur, prefix, strlen(prefix));
+        text_append(cur, s, (size_t)n);
+        if (add_nl)
+            text_append(cur, "\n", 1);
+    } else { /* outside a task (e.g. in dspx_ops_init): the device log */
+        fprintf(stderr, "%s%s%s", prefix, s, add_nl ? "\n" : "");
+    }
+    if (s != small)
+        free(s);
+}
+
+/* Note an SDK error in the task's printf and remember the first status. */
+__attribute__((format(printf, 2, 3))) static int fail(int status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vemit("[dspx] ", fmt, ap, 1);
+    va_end(ap);
+    if (cur != NULL && cur->fault == 0)
+        cur->fault = status;
+    return status;
+}
+
+DSPX_EXPORT int dspx_printf(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vemit("", fmt, ap, 0);
+    va_end(ap);
+    return 0;
+}
+
+DSPX_EXPORT void dspx_log(int level, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vemit(level <= 0 ? "D: " : level == 1 ? "" : "E: ", fmt, ap, 1);
+    va_end(ap);
+}
+
+DSPX_EXPORT uint64_t dspx_cycles(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+DSPX_EXPORT size_t dspx_input_size(void) { return cur ? cur->in_size : 0; }
+DSPX_EXPORT size_t dspx_output_size(void) { return cur ? cur->out_size : 0; }
+
+/* ------------------------------------------------------------ registration */
+
+#define MAX_REGS 256
+static struct { int cmd, latency; handle_fn fn; } regs[MAX_REGS];
+static int nregs, collecting;
+static char collect_error[256];
+
+DSPX_EXPORT int hb_dsp_register_fn(int cmd, handle_fn handle, int latency) {
+    if (!collecting)
+        return fail(ST_INVALID, "RuntimeMisuse: hb_dsp_register_fn(0x%x) outside dspx_ops_init", (unsigned)cmd);
+    const char *why = cmd < 0 ? "a negative command id" : handle == NULL ? "a NULL handler"
+                      : latency < 0 ? "a negative latency" : nregs == MAX_REGS ? "too many operators" : NULL;
+    if (why != NULL) {
+        if (!collect_error[0])
+            snprintf(collect_error, sizeof collect_error, "hb_dsp_register_fn(0x%x): %s", (unsigned)cmd, why);
+        return ST_INVALID;
+    }
+    regs[nregs].cmd = cmd;
+    regs[nregs].fn = handle;
+    regs[nregs].latency = latency;
+    nregs++;
+    return 0;
+}
+
+DSPX_EXPORT void dspx_rt_collect_begin(void) {
+    nregs = 0;
+    collect_error[0] = 0;
+    collecting = 1;
+}
+
+/* The registrations since begin: their count, or -1 with the error text in err. */
+DSPX_EXPORT int dspx_rt_collect_end(int max, int *cmds, void **fns, int *lats, char *err, int errcap) {
+    collecting = 0;
+    if (collect_error[0]) {
+        snprintf(err, (size_t)errcap, "%s", collect_error);
+        return -1;
+    }
+    for (int i = 0; i < nregs && i < max; i++) {
+        cmds[i] = regs[i].cmd;
+        fns[i] = (void *)regs[i].fn;
+        lats[i] = regs[i].latency;
+    }
+    return nregs;
+}
+
+/* The exported name of a handler, when it has one ("" otherwise). */
+DSPX_EXPORT void dspx_rt_symbol_name(void *fn, char *buf, int cap) {
+    Dl_info info;
+    buf[0] = 0;
+    if (dladdr(fn, &info) && info.dli_sname != NULL && info.dli_saddr == fn)
+        snprintf(buf, (size_t)cap, "%s", info.dli_sname);
+}
+
+/* ------------------------------------------------------------ memory */
+
+static int inside(const uint8_t *p, size_t n, const uint8_t *lo, size_t size) {
+    return p >= lo && n <= size && (size_t)(p - lo) <= size - n;
+}
+
+DSPX_EXPORT void *hb_dsp_mem_map(uint64_t dsp_addr, uint32_t size) {
+    struct dspx_ctx *c = cur;
+    if (c == NULL) {
+        fail(ST_INVALID, "RuntimeMisuse: hb_dsp_mem_map called outside a task");
+        return MAP_FAILED;
+    }
+    for (int i = 0; i < c->nregions; i++) {
+        struct region *r = &c->regions[i];
+        if (dsp_addr >= r->dsp && size <= r->size && dsp_addr - r->dsp <= r->size - size) {
+            if (c->nmaps == MAX_MAPS) {
+                fail(ST_INVALID, "RuntimeMisuse: hb_dsp_mem_map: %d mappings already live", MAX_MAPS);
+                return MAP_FAILED;
+            }
+            uint8_t *p = r->host + (dsp_addr - r->dsp);
+            c->maps[c->nmaps].host = p;
+            c->maps[c->nmaps].size = size;
+            c->nmaps++;
+            return p;
+        }
+    }
+    fail(ST_ADDR, "MapError: mem_map(0x%llx, %u): range 0x%llx+%u is not inside any buffer of this connection",
+         (unsigned long long)dsp_addr, size, (unsigned long long)dsp_addr, size);
+    return MAP_FAILED;
+}
+
+DSPX_EXPORT int hb_dsp_mem_unmap(uint64_t addr) {
+    struct dspx_ctx *c = cur;
+    if (c == NULL)
+        return fail(ST_INVALID, "RuntimeMisuse: hb_dsp_mem_unmap called outside a task");
+    for (int i = c->nmaps - 1; i >= 0; i--) {
+        uint64_t p = (uint64_t)(uintptr_t)c->maps[i].host;
+        if (p == addr || (addr <= UINT32_MAX && (uint32_t)p == (uint32_t)addr)) {
+            c->maps[i] = c->maps[--c->nmaps];
+            return 0;
+        }
+    }
+    return fail(ST_INVALID, "RuntimeMisuse: hb_dsp_mem_unmap(0x%llx): not a pointer hb_dsp_mem_map returned "
+                "(or already unmapped)", (unsigned long long)addr);
+}
+
+/* Over-reads of the emulated aligning loads: only bytes inside L2 or a task
+ * buffer are read; the rest of the vector is 0.  Memory the runtime does not
+ * know (the caller's own) is read as is. */
+DSPX_EXPORT void dspx_ivp_guarded_load(const void *vp, void *out, int nbytes) {
+    const uint8_t *p = vp;
+    struct dspx_ctx *c = cur;
+    size_t n = (size_t)nbytes;
+    if (c != NULL) {
+        int near_end = 0;
+        for (int i = -1; i < c->nregions; i++) {
+            const uint8_t *lo = i < 0 ? c->l2 : c->regions[i].host;
+            size_t size = i < 0 ? c->l2_size : (size_t)c->regions[i].size;
+            if (p >= lo && (size_t)(p - lo) < size) {
+                size_t k = size - (size_t)(p - lo);
+                k = k < n ? k : n;
+                memset(out, 0, n);
+                memcpy(out, p, k);
+                return;
+            }
+            if (p >= lo + size && (size_t)(p - (lo + size)) < n)
+                near_end = 1;
+        }
+        if (near_end) { /* just past the end of a buffer: nothing of it to read */
+            memset(out, 0, n);
+            return;
+        }
+    }
+    memcpy(out, p, n);
+}
+
+/* ------------------------------------------------------------ L2 tiles */
+
+static size_t bank_lo(struct dspx_ctx *c, int b) { return b == 0 ? 0 : c->l2_size / 2; }
+static size_t bank_hi(struct dspx_ctx *c, int b) { return b == 0 ? c->l2_size / 2 : c->l2_size; }
+
+static int tile_index(struct dspx_ctx *c, const uint8_t *p) {
+    for (int i = 0; i < c->ntiles; i++)
+        if (c->l2 + c->tiles[i].off == p)
+            return i;
+    return -1;
+}
+
+DSPX_EXPORT void *xvAllocateBuffer(xvTileManager *tm, int32_t size, int32_t color, int32_t align) {
+    struct dspx_ctx *c = cur;
+    if (c == NULL || tm != &c->tm) {
+        fail(ST_INVALID, "RuntimeMisuse: xvAllocateBuffer: tm is not the running task's tile manager");
+        return NULL;
+    }
+    if (size <= 0 || (color != 0 && color != 1) || align <= 0 || (align & (align - 1))) {
+        fail(ST_INVALID, "RuntimeMisuse: xvAllocateBuffer(size %d, bank %d, align %d): size must be > 0, "
+             "bank 0 or 1, align a power of two", size, color, align);
+        return NULL;
+    }
+    if (c->ntiles == MAX_TILES) {
+        fail(ST_NOMEM, "TileExhausted: %d tiles already live", MAX_TILES);
+        return NULL;
+    }
+    uintptr_t base = (uintptr_t)c->l2, a = (uintptr_t)align;
+    size_t lo = bank_lo(c, color), hi = bank_hi(c, color), free_bytes = 0, largest = 0, prev = lo;
+    for (int i = 0; i <= c->ntiles; i++) { /* first fit over the holes between the bank's tiles */
+        if (i < c->ntiles && c->tiles[i].off < lo)
+            continue;
+        size_t hole_end = i == c->ntiles || c->tiles[i].off >= hi ? hi : c->tiles[i].off;
+        size_t start = (size_t)(((base + prev + a - 1) & ~(a - 1)) - base);
+        if (start + (size_t)size <= hole_end) {
+            memmove(&c->tiles[i + 1], &c->tiles[i], (size_t)(c->ntiles - i) * sizeof c->tiles[0]);
+            c->tiles[i].off = start;
+            c->tiles[i].size = (size_t)size;
+            c->tiles[i].bank = color;
+            c->ntiles++;
+            return c->l2 + start;
+        }
+        free_bytes += hole_end - prev;
+        largest = hole_end - prev > largest ? hole_end - prev : largest;
+        if (hole_end == hi)
+            break;
+        prev = c->tiles[i].off + c->tiles[i].size;
+    }
+    fail(ST_NOMEM, "TileExhausted: L2 bank %d: cannot allocate a %d-byte tile (free %zu of %zu bytes, "
+         "largest hole %zu)", color, size, free_bytes, hi - lo, largest);
+    return NULL;
+}
+
+static int pinned(struct dspx_ctx *c, size_t off) {
+    int n = 0;
+    for (int k = 0; k < DSPX_DMA_CHANNELS; k++) {
+        struct channel *ch = &c->ch[k];
+        pthread_mutex_lock(&ch->mu);
+        for (uint64_t j = ch->waited; j < ch->submitted; j++) {
+            struct job *jb = &ch->q[j % QCAP];
+            for (int t = 0; t < 2; t++)
+                n += jb->tiles[t] && jb->tile_off[t] == off;
+        }
+        pthread_mutex_unlock(&ch->mu);
+    }
+    return n;
+}
+
+DSPX_EXPORT int32_t xvFreeBuffer(xvTileManager *tm, void const *buf) {
+    struct dspx_ctx *c = cur;
+    if (c == NULL || tm != &c->tm)
+        return fail(ST_INVALID, "RuntimeMisuse: xvFreeBuffer: tm is not the running task's tile manager"),
+               XVTM_ERROR;
+    int i = tile_index(c, buf);
+    if (i < 0)
+        return fail(ST_INVALID, "RuntimeMisuse: xvFreeBuffer(%p): not a live tile (double free, or not from "
+                    "xvAllocateBuffer)", buf), XVTM_ERROR;
+    int pins = pinned(c, c->tiles[i].off);
+    if (pins)
+        return fail(ST_INVALID, "RuntimeMisuse: xvFreeBuffer(%p): the tile has %d DMA copies not yet waited for",
+                    buf, pins), XVTM_ERROR;
+    memmove(&c->tiles[i], &c->tiles[i + 1], (size_t)(c->ntiles - i - 1) * sizeof c->tiles[0]);
+    c->ntiles--;
+    return XVTM_SUCCESS;
+}
+
+/* ------------------------------------------------------------ DMA */
+
+/* Where [p, p+n) may be copied: a live tile (its offset in *tile), a task
+ * buffer, or the task's input/output.  0 if allowed. */
+static int dma_range_ok(struct dspx_ctx *c, const uint8_t *p, size_t n, int *tile, size_t *tile_off,
+                        const char *what) {
+    *tile = 0;
+    if (p >= c->l2 && p < c->l2 + c->l2_size) {
+        for (int i = 0; i < c->ntiles; i++)
+            if (inside(p, n, c->l2 + c->tiles[i].off, c->tiles[i].size)) {
+                *tile = 1;
+                *tile_off = c->tiles[i].off;
+                return 0;
+            }
+        return fail(ST_INVALID, "DmaError: DMA %s L2+0x%zx (+%zu) is not inside a live tile (freed, or never "
+                    "allocated)", what, (size_t)(p - c->l2), n);
+    }
+    for (int i = 0; i < c->nregions; i++)
+        if (inside(p, n, c->regions[i].host, (size_t)c->regions[i].size))
+            return 0;
+    if (inside(p, n, c->in, c->in_size) || inside(p, n, c->out, c->out_size))
+        return 0;
+    return fail(ST_INVALID, "DmaError: DMA %s %p (+%zu) is not inside the task's buffers or a live L2 tile",
+                what, (const void *)p, n);
+}
+
+static int channel_ok(struct dspx_ctx *c, int32_t ch, const char *api) {
+    if (c == NULL)
+        return fail(ST_INVALID, "RuntimeMisuse: %s called outside a task", api);
+    if (ch < 0 || ch >= DSPX_DMA_CHANNELS)
+        return fail(ST_INVALID, "DmaError: %s: DMA channel %d does not exist (channels 0..%d)", api, ch,
+                    DSPX_DMA_CHANNELS - 1);
+    return 0;
+}
+
+static int32_t submit(struct dspx_ctx *c, int32_t chn, const struct job *jb) {
+    struct channel *ch = &c->ch[chn];
+    pthread_mutex_lock(&ch->mu);
+    if (ch->submitted - ch->waited >= QCAP) {
+        pthread_mutex_unlock(&ch->mu);
+        return fail(ST_INVALID, "DmaError: DMA channel %d has %d copies not waited for (the most it queues)",
+                    chn, QCAP);
+    }
+    uint64_t ticket = ch->submitted;
+    ch->q[ticket % QCAP] = *jb;
+    ch->submitted++;
+    pthread_cond_broadcast(&ch->cv);
+    pthread_mutex_unlock(&ch->mu);
+    return (int32_t)(ticket & 0x7fffffff);
+}
+
+DSPX_EXPORT int32_t dspx_idma_copy(int32_t chn, const void *src, void *dst, int32_t nbytes) {
+    struct dspx_ctx *c = cur;
+    int bad = channel_ok(c, chn, "IDMA_COPY");
+    if (bad)
+        return bad;
+    if (nbytes <= 0)
+        return fail(ST_INVALID, "DmaError: IDMA_COPY of %d bytes (must be > 0)", nbytes);
+    struct job jb;
+    memset(&jb, 0, sizeof jb);
+    jb.src = src;
+    jb.dst = dst;
+    jb.n = (size_t)nbytes;
+    if (dma_range_ok(c, jb.src, jb.n, &jb.tiles[0], &jb.tile_off[0], "source") ||
+        dma_range_ok(c, jb.dst, jb.n, &jb.tiles[1], &jb.tile_off[1], "destination"))
+        return c->fault;
+    return submit(c, chn, &jb);
+}
+
+static int32_t wait_channel(struct dspx_ctx *c, int32_t chn) {
+    struct channel *ch = &c->ch[chn];
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += DMA_TIMEOUT_S;
+    pthread_mutex_lock(&ch->mu);
+    int rc = 0;
+    while (ch->done < ch->submitted && rc != ETIMEDOUT)
+        rc = pthread_cond_timedwait(&ch->cv, &ch->mu, &dl);
+    uint64_t left = ch->submitted - ch->done;
+    if (!left)
+        ch->waited = ch->submitted;
+    pthread_mutex_unlock(&ch->mu);
+    if (left)
+        return fail(ST_TIMEOUT, "DmaTimeout: DMA channel %d: %llu copies not complete after %d s", chn,
+                    (unsigned long long)left, DMA_TIMEOUT_S);
+    return 0;
+}
+
+DSPX_EXPORT int32_t dspx_idma_wait(int32_t chn) {
+    int bad = channel_ok(cur, chn, "IDMA_WAIT");
+    return bad ? bad : wait_channel(cur, chn);
+}
+
+/* The stream offset `start` of a pattern as loop indices. */
+static void pattern_seek(const struct pattern *pt, uint64_t start, int64_t idx[4]) {
+    for (int k = 0; k < 4; k++) {
+        idx[k] = (int64_t)(start % (uint64_t)pt->cnt[k]);
+        start /= (uint64_t)pt->cnt[k];
+    }
+}
+
+static uint8_t *pattern_addr(const struct pattern *pt, const int64_t idx[4]) {
+    return pt->base + idx[0] + idx[1] * pt->dim[1] + idx[2] * pt->dim[2] + idx[3] * pt->dim[3];
+}
+
+static void pattern_step(const struct pattern *pt, int64_t idx[4], int64_t n) {
+    idx[0] += n;
+    for (int k = 0; k < 3 && idx[k] == pt->cnt[k]; k++) {
+        idx[k] = 0;
+        idx[k + 1]++;
+    }
+}
+
+static void run_strided(const struct job *jb) {
+    int64_t si[4], di[4];
+    pattern_seek(&jb->sp, jb->start, si);
+    pattern_seek(&jb->dp, jb->start, di);
+    for (uint64_t left = jb->n; left;) {
+        int64_t n = jb->sp.cnt[0] - si[0];
+        if (jb->dp.cnt[0] - di[0] < n)
+            n = jb->dp.cnt[0] - di[0];
+        if ((int64_t)left < n)
+            n = (int64_t)left;
+        memcpy(pattern_addr(&jb->dp, di), pattern_addr(&jb->sp, si), (size_t)n);
+        pattern_step(&jb->sp, si, n);
+        pattern_step(&jb->dp, di, n);
+        left -= (uint64_t)n;
+    }
+}
+
+static void *dma_worker(void *arg) {
+    struct channel *ch = arg;
+    pthread_mutex_lock(&ch->mu);
+    for (;;) {
+        while (ch->done == ch->submitted && !ch->stop)
+            pthread_cond_wait(&ch->cv, &ch->mu);
+        if (ch->done == ch->submitted)
+            break;
+        struct job jb = ch->q[ch->done % QCAP];
+        pthread_mutex_unlock(&ch->mu);
+        if (jb.strided)
+            run_strided(&jb);
+        else
+            memcpy(jb.dst, jb.src, jb.n);
+        pthread_mutex_lock(&ch->mu);
+        ch->done++;
+        pthread_cond_broadcast(&ch->cv);
+    }
+    pthread_mutex_unlock(&ch->mu);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ C7x-style auto-increment */
+
+static int pattern_from(struct pattern *pt, uint8_t *base, const int32_t cnt[4], const int32_t dim[3]) {
+    pt->base = base;
+    pt->dim[0] = 1;
+    for (int k = 0; k < 4; k++) {
+        if (cnt[k] < 1)
+            return -1;
+        pt->cnt[k] = cnt[k];
+        if (k)
+            pt->dim[k] = dim[k - 1];
+    }
+    return 0;
+}
+
+static int pattern_range_ok(struct dspx_ctx *c, const struct pattern *pt, int *tile, size_t *off,
+                            const char *what) {
+    int64_t lo = 0, hi = pt->cnt[0];
+    for (int k = 1; k < 4; k++) {
+        int64_t span = (pt->cnt[k] - 1) * pt->dim[k];
+        if (span < 0)
+            lo += span;
+        else
+            hi += span;
+    }
+    if (pt->base == NULL)
+        return fail(ST_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: NULL %s pointer", what);
+    return dma_range_ok(c, pt->base + lo, (size_t)(hi - lo), tile, off, what);
+}
+
+DSPX_EXPORT int32_t DmaUtilsAutoInc3d_configure(int32_t chn, const DmaUtilsAutoInc3d_TransferProp *prop) {
+    struct dspx_ctx *c = cur;
+    int bad = channel_ok(c, chn, "DmaUtilsAutoInc3d_configure");
+    if (bad)
+        return bad;
+    struct autoinc *ai = &c->ch[chn].ai;
+    const DmaUtilsAutoInc3d_TransferDim *d = &prop->transferDim;
+    int32_t sc[4] = {d->sicnt0, d->sicnt1, d->sicnt2, d->sicnt3}, sd[3] = {d->sdim1, d->sdim2, d->sdim3};
+    int32_t dc[4] = {d->dicnt0, d->dicnt1, d->dicnt2, d->dicnt3}, dd[3] = {d->ddim1, d->ddim2, d->ddim3};
+    struct autoinc next;
+    memset(&next, 0, sizeof next);
+    if (prop->syncType < DMAUTILSAUTOINC3D_SYNC_1D || prop->syncType > DMAUTILSAUTOINC3D_SYNC_4D)
+        return fail(ST_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: syncType %d (0..3)", prop->syncType);
+    if (pattern_from(&next.sp, prop->ioPointers.srcPtr, sc, sd) ||
+        pattern_from(&next.dp, prop->ioPointers.dstPtr, dc, dd))
+        return fail(ST_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: every icnt must be >= 1");
+    uint64_t sblock = 1, dblock = 1, stotal = 1, dtotal = 1;
+    for (int k = 0; k < 4; k++) {
+        if (k <= prop->syncType) {
+            sblock *= (uint64_t)sc[k];
+            dblock *= (uint64_t)dc[k];
+        }
+        stotal *= (uint64_t)sc[k];
+        dtotal *= (uint64_t)dc[k];
+    }
+    if (stotal != dtotal || sblock != dblock)
+        return fail(ST_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: source moves %llu bytes (%llu per block), "
+                    "destination %llu (%llu per block)", (unsigned long long)stotal, (unsigned long long)sblock,
+                    (unsigned long long)dtotal, (unsigned long long)dblock);
+    if (pattern_range_ok(c, &next.sp, &next.tiles[0], &next.tile_off[0], "source") ||
+        pattern_range_ok(c, &next.dp, &next.tiles[1], &next.tile_off[1], "destination"))
+        return c->fault;
+    next.configured = 1;
+    next.block = sblock;
+    next.nblocks = stotal / sblock;
+    *ai = next;
+    return (int32_t)next.nblocks;
+}
+
+DSPX_EXPORT int32_t DmaUtilsAutoInc3d_trigger(int32_t chn) {
+    struct dspx_ctx *c = cur;
+    int bad = channel_ok(c, chn, "DmaUtilsAutoInc3d_trigger");
+    if (bad)
+        return bad;
+    struct autoinc *ai = &c->ch[chn].ai;
+    if (!ai->configured)
+        return fail(ST_INVALID, "DmaError: DmaUtilsAutoInc3d_trigger: nothing configured on channel %d", chn);
+    if (ai->next == ai->nblocks)
+        return fail(ST_INVALID, "DmaError: DmaUtilsAutoInc3d_trigger: all %llu blocks of channel %d already "
+                    "triggered", (unsigned long long)ai->nblocks, chn);
+    struct job jb;
+    memset(&jb, 0, sizeof jb);
+    jb.strided = 1;
+    jb.sp = ai->sp;
+    jb.dp = ai->dp;
+    jb.start = ai->next * ai->block;
+    jb.n = ai->block;
+    memcpy(jb.tiles, ai->tiles, sizeof jb.tiles);
+    memcpy(jb.tile_off, ai->tile_off, sizeof jb.tile_off);
+    int32_t t = submit(c, chn, &jb);
+    if (t < 0)
+        return t;
+    ai->next++;
+    return (int32_t)(ai->nblocks - ai->next);
+}
+
+DSPX_EXPORT int32_t DmaUtilsAutoInc3d_wait(int32_t chn) { return dspx_idma_wait(chn); }
+
+DSPX_EXPORT int32_t DmaUtilsAutoInc3d_deconfigure(int32_t chn) {
+    int32_t rc = dspx_idma_wait(chn);
+    if (rc == 0)
+        memset(&cur->ch[chn].ai, 0, sizeof cur->ch[chn].ai);
+    return rc;
+}
+
+/* ------------------------------------------------------------ the context, for Python */
+
+DSPX_EXPORT struct dspx_ctx *dspx_rt_new(void *l2, size_t l2_size) {
+    struct dspx_ctx *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        return NULL;
+    c->text = malloc(TEXT_CAP);
+    if (c->text == NULL) {
+        free(c);
+        return NULL;
+    }
+    c->tm.ctx = c;
+    c->l2 = l2;
+    c->l2_size = l2_size;
+    for (int k = 0; k < DSPX_DMA_CHANNELS; k++) {
+        struct channel *ch = &c->ch[k];
+        pthread_mutex_init(&ch->mu, NULL);
+        pthread_cond_init(&ch->cv, NULL);
+        if (pthread_create(&ch->thread, NULL, dma_worker, ch) != 0) {
+            for (int j = 0; j < k; j++) {
+                pthread_mutex_lock(&c->ch[j].mu);
+                c->ch[j].stop = 1;
+                pthread_cond_broadcast(&c->ch[j].cv);
+                pthread_mutex_unlock(&c->ch[j].mu);
+                pthread_join(c->ch[j].thread, NULL);
+            }
+            free(c->text);
+            free(c);
+            return NULL;
+        }
+    }
+    return c;
+}
+
+DSPX_EXPORT void dspx_rt_free(struct dspx_ctx *c) {
+    for (int k = 0; k < DSPX_DMA_CHANNELS; k++) {
+        struct channel *ch = &c->ch[k];
+        pthread_mutex_lock(&ch->mu);
+        ch->stop = 1;
+        pthread_cond_broadcast(&ch->cv);
+        pthread_mutex_unlock(&ch->mu);
+        pthread_join(ch->thread, NULL);
+    }
+    free(c->text);
+    free(c);
+}
+
+/* The connection's buffers for the next task: n triples (dsp addr, size, host ptr). */
+DSPX_EXPORT int dspx_rt_set_regions(struct dspx_ctx *c, int n, const uint64_t *triples) {
+    if (n < 0 || n > MAX_REGIONS)
+        return ST_INVALID;
+    for (int i = 0; i < n; i++) {
+        c->regions[i].dsp = triples[3 * i];
+        c->regions[i].size = triples[3 * i + 1];
+        c->regions[i].host = (uint8_t *)(uintptr_t)triples[3 * i + 2];
+    }
+    c->nregions = n;
+    return 0;
+}
+
+/* Return the core to idle: wait for copies left in flight, free tiles left
+ * allocated, forget the task's maps and auto-increment transfers. */
+static void settle(struct dspx_ctx *c) {
+    uint64_t left = 0;
+    for (int k = 0; k < DSPX_DMA_CHANNELS; k++) {
+        pthread_mutex_lock(&c->ch[k].mu);
+        left += c->ch[k].submitted - c->ch[k].waited;
+        pthread_mutex_unlock(&c->ch[k].mu);
+        wait_channel(c, k);
+        memset(&c->ch[k].ai, 0, sizeof c->ch[k].ai);
+    }
+    if (left)
+        fail(0, "handler returned with %llu DMA copies not waited for", (unsigned long long)left);
+    if (c->ntiles)
+        fail(0, "handler returned with %d L2 tiles allocated; freed", c->ntiles);
+    c->ntiles = 0;
+    c->nmaps = 0;
+}
+
+/* Run one task: *rv the handler's return, *elapsed its cycles; returns the
+ * status of the first SDK error noted during it (0 if none). */
+DSPX_EXPORT int dspx_rt_run(struct dspx_ctx *c, handle_fn fn, void *in, size_t in_size, void *out,
+                            size_t out_size, int *rv, uint64_t *elapsed) {
+    struct dspx_ctx *saved = cur;
+    cur = c;
+    c->fault = 0;
+    c->in = in;
+    c->in_size = in_size;
+    c->out = out;
+    c->out_size = out_size;
+    uint64_t t0 = dspx_cycles();
+    *rv = fn(in, out, &c->tm);
+    *elapsed = dspx_cycles() - t0;
+    settle(c);
+    int fault = c->fault;
+    c->nregions = 0;
+    c->in = c->out = NULL;
+    c->in_size = c->out_size = 0;
+    cur = saved;
+    return fault;
+}
+
+/* The task's printf text since the last call (the newest TEXT_CAP bytes);
+ * *dropped counts older bytes that did not fit. */
+DSPX_EXPORT size_t dspx_rt_take_text(struct dspx_ctx *c, char *buf, size_t cap, uint64_t *dropped) {
+    size_t n = c->text_total < TEXT_CAP ? c->text_total : TEXT_CAP;
+    n = n < cap ? n : cap;
+    *dropped = c->text_total - n;
+    for (size_t i = 0; i < n; i++)
+        buf[i] = c->text[(c->text_total - n + i) % TEXT_CAP];
+    c->text_total = 0;
+    return n;
+}
