@@ -119,7 +119,7 @@ def sdk() -> Path:
 
 @pytest.fixture(scope="session")
 def driver(sdk, tmp_path_factory) -> Path:
-    return compile_src(tmp_path_factory.mktemp("driver"), "driver.c", DRIVER)
+    return compile_src(tmp_path_factory.mktemp("driver"), "driver.c", DRIVER, extra=("-lm", "-pthread"))
 
 
 @pytest.fixture(scope="module")
@@ -588,6 +588,13 @@ def test_several_tasks_in_flight_on_chosen_cores(driver, dev2, tmp_path, any_cor
     assert r.all("free_rc") == ["0"] * n and r.rc("free_twice") == -errno.EFAULT
 
 
+def test_threads_share_the_session_with_tasks_in_flight(driver, dev2):
+    r = run(driver, "ucp_threads", 4, 3, 4000, socket_path=dev2.path)
+    assert r.proc.returncode == 0, r.proc.stderr
+    assert r["bad"] == "0", r.get("last_error")
+    assert float(r["worst_rel_err"]) < 1e-5
+
+
 def test_ucp_errors_and_isolation_from_a_python_client(driver, dev2, client_of):
     from dspx.host.tasks import Tasks, softmax_param
 
@@ -727,6 +734,8 @@ DRIVER = r'''/* A test driver over the libdspx C API: one subcommand per scenari
  * "key value" lines the pytest side parses. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1074,6 +1083,80 @@ static int cmd_ucp_tasks(int n, int size, const char *prefix, int any) {
     return 0;
 }
 
+/* threads, each with its own tasks in flight on the one session, checked
+ * against a host softmax in double precision */
+typedef struct {
+    int id, tasks, size, bad;
+    double worst;
+} worker_t;
+
+static void *worker(void *arg) {
+    worker_t *w = (worker_t *)arg;
+    hbUCPSysMem data[4], param[4], out[4];
+    hbUCPTaskHandle_t task[4] = {0};
+    int k = w->tasks > 4 ? 4 : w->tasks;
+    for (int round = 0; round < 3; round++) {
+        for (int i = 0; i < k; i++) {
+            int32_t bytes = (int32_t)(w->size * sizeof(float32_t));
+            if (hbUCPMalloc(&data[i], (uint64_t)bytes, 0) || hbUCPMalloc(&out[i], (uint64_t)bytes, 0) ||
+                hbUCPMalloc(&param[i], sizeof(softmax_param_t), 0)) {
+                w->bad++;
+                return NULL;
+            }
+            hbDSPAddrMap(&data[i], &data[i]);
+            hbDSPAddrMap(&out[i], &out[i]);
+            hbDSPAddrMap(&param[i], &param[i]);
+            float32_t *x = (float32_t *)data[i].virAddr;
+            for (int j = 0; j < w->size; j++) x[j] = (float32_t)(((j + 1) * (w->id + 3) * (i + round + 1)) % 29) / 7.0f;
+            softmax_param_t *p = (softmax_param_t *)param[i].virAddr;
+            p->data_size = bytes;
+            p->input = data[i].phyAddr;
+            p->run_tcm_opt = (uint8_t)((i + round) & 1);
+            hbUCPSchedParam sp;
+            HB_UCP_INITIALIZE_SCHED_PARAM(&sp);
+            sp.backend = (w->id + i) % 2 ? HB_UCP_DSP_CORE_1 : HB_UCP_DSP_CORE_0;
+            sp.priority = (w->id * 31 + i) % 256;
+            if (hbDSPRpcV2(&task[i], &param[i], &out[i], 0x1402) || hbUCPSubmitTask(task[i], &sp)) w->bad++;
+        }
+        for (int i = k - 1; i >= 0; i--) {
+            if (hbUCPWaitTaskDone(task[i], 30000) || hbUCPReleaseTask(task[i])) w->bad++;
+            const float32_t *x = (const float32_t *)data[i].virAddr, *y = (const float32_t *)out[i].virAddr;
+            double mx = -1e300, sum = 0;
+            for (int j = 0; j < w->size; j++) mx = x[j] > mx ? x[j] : mx;
+            for (int j = 0; j < w->size; j++) sum += exp((double)x[j] - mx);
+            for (int j = 0; j < w->size; j++) {
+                double want = exp((double)x[j] - mx) / sum, err = fabs(y[j] - want) / want;
+                if (err > w->worst) w->worst = err;
+            }
+            hbUCPFree(&data[i]);
+            hbUCPFree(&out[i]);
+            hbUCPFree(&param[i]);
+        }
+    }
+    return NULL;
+}
+
+static int cmd_ucp_threads(int threads, int tasks, int size) {
+    pthread_t th[16];
+    worker_t w[16];
+    memset(w, 0, sizeof w);
+    for (int i = 0; i < threads; i++) {
+        w[i].id = i;
+        w[i].tasks = tasks;
+        w[i].size = size;
+        pthread_create(&th[i], NULL, worker, &w[i]);
+    }
+    int bad = 0;
+    double worst = 0;
+    for (int i = 0; i < threads; i++) {
+        pthread_join(th[i], NULL);
+        bad += w[i].bad;
+        worst = w[i].worst > worst ? w[i].worst : worst;
+    }
+    printf("bad %d\nworst_rel_err %.3g\nlast_error %s\n", bad, worst, hbUCPGetLastErrorText());
+    return 0;
+}
+
 /* errors: bad priority, bad core, memory size beyond the buffer (ERR_ADDR),
  * a parameter naming another connection's address, unknown command id */
 static int cmd_ucp_errors(unsigned long long foreign) {
@@ -1171,6 +1254,7 @@ int main(int argc, char **argv) {
     if (!strcmp(c, "ping_bench")) return cmd_ping_bench(atoi(argv[2]));
     if (!strcmp(c, "ucp_nodev")) return cmd_ucp_nodev();
     if (!strcmp(c, "ucp_tasks")) return cmd_ucp_tasks(atoi(argv[2]), atoi(argv[3]), argv[4], atoi(argv[5]));
+    if (!strcmp(c, "ucp_threads")) return cmd_ucp_threads(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
     if (!strcmp(c, "ucp_errors")) return cmd_ucp_errors(strtoull(argv[2], NULL, 0));
     if (!strcmp(c, "ucp_timeout")) return cmd_ucp_timeout(atoi(argv[2]));
     return 64;

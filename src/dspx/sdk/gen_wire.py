@@ -21,26 +21,20 @@ from pathlib import Path
 
 
 def _protocol():
-    try:  # the contract's home once it has moved
-        from dspx.abi import protocol as P
-    except ImportError:
-        from dspx import protocol as P
+    from dspx.abi import protocol as P  # the message table: the contract's one home
+
     return P
 
 
 def _memory():
-    try:
-        from dspx.abi import memory as M  # type: ignore
-    except ImportError:
-        from dspx import memory as M
+    from dspx import memory as M  # sync flags, default sizes
+
     return M
 
 
 def _layout():
-    try:
-        from dspx.abi import layout as Lay  # printf ring, io layout
-    except ImportError:
-        Lay = _memory()
+    from dspx.abi import layout as Lay  # printf ring
+
     return Lay
 
 
@@ -63,13 +57,6 @@ def _tokens(fmt: str) -> list[tuple[str, int]]:
             raise ValueError(f"format code {code!r} in {fmt!r} has no C type here")
         out.append((code, int(count) if count else 1))
     return out
-
-
-def _expand(fmt: str) -> list[tuple[str, int]]:
-    """One entry per *field*: non-'s' codes repeated n times without an array
-    of their own are split ("IIII" -> four u32), "6q" stays an array only when
-    the caller says so; here every repeat count > 1 is an array."""
-    return _tokens(fmt)
 
 
 def _members(fmt: str, names: list[str]) -> list[tuple[str, str, int, int]]:

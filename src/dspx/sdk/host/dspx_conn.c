@@ -326,8 +326,18 @@ static int wait_one(dspx_conn_t *c, uint32_t seq, uint8_t *buf, int tmo, const c
      * in recvmsg (SO_RCVTIMEO = that timeout) — one syscall, like a bare
      * ping-pong.  Otherwise poll in slices and never hold the lock asleep. */
     int fast = tmo == c->timeout_ms && c->rcvtimeo_set;
+    struct timespec abs_deadline; /* for the lock: another waiter may sleep in recvmsg holding it */
+    clock_gettime(CLOCK_REALTIME, &abs_deadline);
+    abs_deadline.tv_sec += tmo / 1000;
+    abs_deadline.tv_nsec += (long)(tmo % 1000) * 1000000L;
+    if (abs_deadline.tv_nsec >= 1000000000L) {
+        abs_deadline.tv_sec++;
+        abs_deadline.tv_nsec -= 1000000000L;
+    }
     for (;;) {
-        pthread_mutex_lock(&c->lock);
+        int lr = pthread_mutex_timedlock(&c->lock, &abs_deadline);
+        if (lr == ETIMEDOUT)
+            return dspx_fail(c, -ETIMEDOUT, 0, "no response to %s within %d ms", what ? what : "request", tmo);
         dspx_stash_t *s = stash_take(c, seq);
         if (s) {
             pthread_mutex_unlock(&c->lock);
