@@ -549,6 +549,33 @@ def test_load_out_of_ddr_pool_names_the_numbers(driver, compiled):
     assert r.rc("ping_after") == 0
 
 
+def test_c7x_compute_cli_runs_a_module_and_says_json(sdk, shared_device, compiled, example_onnx, tmp_path):
+    """The TI-shaped CLI built on the libraries: load + infer + unload in one connection."""
+    cli = host.cli_path()
+    d = compiled("multi_input")
+    meta = json.loads((d / "metadata.json").read_text())
+    x = random_inputs(meta, seed=5)
+    args = []
+    for i, a in enumerate(x):
+        a.tofile(tmp_path / f"x{i}.bin")
+        args += ["--input", tmp_path / f"x{i}.bin"]
+    r = run(cli, "--socket", shared_device.path, "run", d, *args, "--output", tmp_path / "y")
+    assert r.proc.returncode == 0, r.proc.stdout + r.proc.stderr
+    res = json.loads(r.proc.stdout)
+    ref = _ort(example_onnx["multi_input"], meta, x)
+    assert [o["shape"] for o in res["outputs"]] == [list(a.shape) for a in ref] and res["cycles"] > 0
+    for o, want in zip(res["outputs"], ref):
+        np.testing.assert_allclose(np.fromfile(o["file"], o["dtype"]).reshape(want.shape), want, rtol=0, atol=TOL)
+    st = json.loads(run(cli, "status", socket_path=shared_device.path).proc.stdout)
+    assert st["version"] == "3.0.0" and st["cores"] >= 1
+    ping = json.loads(run(cli, "ping", "--count", "20", socket_path=shared_device.path).proc.stdout)
+    assert ping["count"] == 20 and ping["median_us"] > 0
+    bad = run(cli, "run", d, "--input", tmp_path / "x0.bin", socket_path=shared_device.path)
+    assert bad.proc.returncode == 1 and "takes 7 inputs, got 1" in json.loads(bad.proc.stdout)["error"]
+    nodev = run(cli, "ping", socket_path=tmp_path / "none.sock")
+    assert nodev.proc.returncode == 1 and json.loads(nodev.proc.stdout)["code"] == -errno.ECONNREFUSED
+
+
 # ================================================================ the UCP flow
 def test_seed_softmax_host_program(dev2, tmp_path):
     """examples/ucp_c/softmax_host.cc: the seed's test_softmax_op unchanged."""

@@ -4,7 +4,8 @@
 compiles ``libdspx.so`` (C11, libc only) and ``libdspx++.so`` (the C++
 ``c7x::Module``, C++17) with the system compilers into
 ``${XDG_CACHE_HOME:-~/.cache}/dspx/sdk/<hash of the sources>/`` (never into
-the package tree), writes ``dspx.pc`` beside them and returns that directory.
+the package tree), builds the ``c7x_compute`` CLI on them, writes ``dspx.pc``
+beside them and returns that directory.
 It is idempotent and rebuilds when any source changes.  ``cflags()`` and
 ``libs()`` say what a program needs to build against it.
 """
@@ -50,6 +51,7 @@ def sources() -> list[Path]:
     """Everything the build depends on."""
     files = [INCLUDE / h for h in PUBLIC_HEADERS]
     files += sorted(p for p in HOST.iterdir() if p.suffix in (".c", ".cc", ".h"))
+    files += sorted((HOST / "cli").glob("*.cc"))
     files += [Path(__file__).resolve(), *gen_wire.source_files()]
     return files
 
@@ -89,7 +91,7 @@ def _run(cmd: list[str], cwd: Path) -> None:
 
 def build(force: bool = False) -> Path:
     """Build libdspx (if needed) and return the directory holding libdspx.so,
-    libdspx++.so, include/dspx_wire.h and dspx.pc."""
+    libdspx++.so, include/dspx_wire.h, dspx.pc and the c7x_compute CLI."""
     out = build_dir()
     stamp = out / ".built"
     if stamp.exists() and not force:
@@ -113,6 +115,12 @@ def build(force: bool = False) -> Path:
               "-Wl,-soname,libdspx.so", "-Wl,--no-undefined", "-Wl,-z,defs"], tmp)
         _run([_cxx(), "-shared", "-pthread", "-o", str(tmp / "libdspx++.so"), *objs_cc,
               "-Wl,-soname,libdspx++.so", "-Wl,--no-undefined", "-Wl,-rpath,$ORIGIN", f"-L{tmp}", "-ldspx"], tmp)
+        # c7x_compute, the TI-shaped CLI, built on the libraries like any user program
+        for src in sorted((HOST / "cli").glob("*.cc")):
+            _run([_cxx(), "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{inc}", f"-I{INCLUDE}", str(src),
+                  "-o", str(tmp / src.stem), f"-L{tmp}", f"-Wl,-rpath,{out}", "-ldspx++", "-ldspx"], tmp)
+        for o in objs_c + objs_cc:
+            os.unlink(o)
         (tmp / "dspx.pc").write_text(_pkgconfig(out))
         (tmp / ".built").write_text("ok\n")
         if out.exists() and force:
@@ -158,6 +166,11 @@ def libs() -> str:
     return f"-L{d} -Wl,-rpath,{d} -Wl,--as-needed -ldspx++ -ldspx -Wl,--no-as-needed"
 
 
+def cli_path() -> Path:
+    """The c7x_compute command line (TI-shaped, over libdspx)."""
+    return build() / "c7x_compute"
+
+
 def pkgconfig_path() -> Path:
     """The dspx.pc file (for PKG_CONFIG_PATH)."""
     return build() / "dspx.pc"
@@ -183,4 +196,4 @@ def compile_program(sources, output, *, cxx: bool | None = None, extra=(), timeo
     return Path(output)
 
 
-__all__ = ["build", "cflags", "libs", "pkgconfig_path", "compile_program", "BuildError", "build_dir"]
+__all__ = ["build", "cflags", "libs", "pkgconfig_path", "cli_path", "compile_program", "BuildError", "build_dir"]

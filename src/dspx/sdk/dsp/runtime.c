@@ -337,34 +337,39 @@ DSPX_EXPORT void *xvAllocateBuffer(xvTileManager *tm, int32_t size, int32_t colo
     return NULL;
 }
 
-static int pinned(struct dspx_ctx *c, size_t off) {
+static int32_t wait_channel(struct dspx_ctx *c, int32_t chn);
+
+/* Copies queued on channel k, not yet waited for, that touch the tile at off. */
+static int pinned(struct dspx_ctx *c, int k, size_t off) {
     int n = 0;
-    for (int k = 0; k < DSPX_DMA_CHANNELS; k++) {
-        struct channel *ch = &c->ch[k];
-        pthread_mutex_lock(&ch->mu);
-        for (uint64_t j = ch->waited; j < ch->submitted; j++) {
-            struct job *jb = &ch->q[j % QCAP];
-            for (int t = 0; t < 2; t++)
-                n += jb->tiles[t] && jb->tile_off[t] == off;
-        }
-        pthread_mutex_unlock(&ch->mu);
+    struct channel *ch = &c->ch[k];
+    pthread_mutex_lock(&ch->mu);
+    for (uint64_t j = ch->waited; j < ch->submitted; j++) {
+        struct job *jb = &ch->q[j % QCAP];
+        for (int t = 0; t < 2; t++)
+            n += jb->tiles[t] && jb->tile_off[t] == off;
     }
+    pthread_mutex_unlock(&ch->mu);
     return n;
 }
 
+/* A tile with copies in flight is freed once they are done: the seed frees
+ * its tiles right after its last frame, which waits on one channel only. */
 DSPX_EXPORT int32_t xvFreeBuffer(xvTileManager *tm, void const *buf) {
     struct dspx_ctx *c = cur;
-    if (c == NULL || tm != &c->tm)
-        return fail(ST_INVALID, "RuntimeMisuse: xvFreeBuffer: tm is not the running task's tile manager"),
-               XVTM_ERROR;
+    if (c == NULL || tm != &c->tm) {
+        fail(ST_INVALID, "RuntimeMisuse: xvFreeBuffer: tm is not the running task's tile manager");
+        return XVTM_ERROR;
+    }
     int i = tile_index(c, buf);
-    if (i < 0)
-        return fail(ST_INVALID, "RuntimeMisuse: xvFreeBuffer(%p): not a live tile (double free, or not from "
-                    "xvAllocateBuffer)", buf), XVTM_ERROR;
-    int pins = pinned(c, c->tiles[i].off);
-    if (pins)
-        return fail(ST_INVALID, "RuntimeMisuse: xvFreeBuffer(%p): the tile has %d DMA copies not yet waited for",
-                    buf, pins), XVTM_ERROR;
+    if (i < 0) {
+        fail(ST_INVALID, "RuntimeMisuse: xvFreeBuffer(%p): not a live tile (double free, or not from "
+             "xvAllocateBuffer)", buf);
+        return XVTM_ERROR;
+    }
+    for (int k = 0; k < DSPX_DMA_CHANNELS; k++)
+        if (pinned(c, k, c->tiles[i].off) && wait_channel(c, k) != 0)
+            return XVTM_ERROR;
     memmove(&c->tiles[i], &c->tiles[i + 1], (size_t)(c->ntiles - i - 1) * sizeof c->tiles[0]);
     c->ntiles--;
     return XVTM_SUCCESS;

@@ -81,8 +81,8 @@ typedef struct xvTileManager xvTileManager;
 /* size bytes in bank color, the address a multiple of align (a power of
  * two); NULL (and ERR_NOMEM noted) when the bank has no hole that large. */
 void *xvAllocateBuffer(xvTileManager *tm, int32_t size, int32_t color, int32_t align);
-/* XVTM_SUCCESS, or XVTM_ERROR for a pointer that is not a live tile or a
- * tile with DMA copies not yet waited for. */
+/* XVTM_SUCCESS, or XVTM_ERROR for a pointer that is not a live tile.  DMA
+ * copies still in flight on the tile are waited for first. */
 int32_t xvFreeBuffer(xvTileManager *tm, void const *buf);
 
 /* ------------------------------------------------------------ IDMA */
