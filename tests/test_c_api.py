@@ -577,8 +577,14 @@ def test_c7x_compute_cli_runs_a_module_and_says_json(sdk, shared_device, compile
 
 
 # ================================================================ the UCP flow
-def test_seed_softmax_host_program(dev2, tmp_path):
-    """examples/ucp_c/softmax_host.cc: the seed's test_softmax_op unchanged."""
+def test_seed_softmax_host_program(tmp_path):
+    """examples/ucp_c/softmax_host.cc — the seed's test_softmax_op unchanged —
+    against `dspx serve --cores 2` on the per-user socket, found with no
+    configuration (XDG_RUNTIME_DIR points into tmp_path for both)."""
+    import sys
+
+    from dspx.transport import is_listening
+
     src = ROOT / "examples" / "ucp_c" / "softmax_host.cc"
     # the seed's own code draws exactly these two warnings (no others)
     r = subprocess.run(["c++", "-std=c++17", "-Wall", "-Wextra", *host.cflags().split(), "-fsyntax-only", str(src)],
@@ -587,7 +593,27 @@ def test_seed_softmax_host_program(dev2, tmp_path):
     kinds = {line.rsplit("[", 1)[1].rstrip("]") for line in r.stderr.splitlines() if "warning:" in line}
     assert kinds == {"-Wsign-compare", "-Wunused-parameter"}, r.stderr
     exe = host.compile_program([src], tmp_path / "softmax_host", extra=("-Wno-sign-compare", "-Wno-unused-parameter"))
-    out = run(exe, socket_path=dev2.path)
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    env.pop("DSPX_SOCKET", None)
+    sock = tmp_path / f"dspx-{os.getuid()}" / "dsp0.sock"
+    dspx_cli = Path(sys.executable).parent / "dspx"
+    log = open(tmp_path / "serve.log", "w+b")
+    serve = subprocess.Popen([str(dspx_cli), "serve", "--cores", "2", "--carveout-size", "64M", "--ddr-pool-size",
+                              "64M"], env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while not is_listening(str(sock)):
+            assert serve.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.02)
+        out = run(exe, env={"XDG_RUNTIME_DIR": str(tmp_path)})
+    finally:
+        serve.terminate()
+        try:
+            serve.wait(10)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.wait(10)
+        log.close()
     assert out.proc.returncode == 0, out.proc.stdout + out.proc.stderr
     assert "[I] opt vs non-opt result is same" in out.proc.stdout.splitlines()
     assert "opt vs non-opt result is diff" not in out.proc.stdout + out.proc.stderr
