@@ -516,6 +516,27 @@ def test_c_client_outputs_match_onnxruntime(driver, shared_device, compiled, exa
     assert int(r["cycles"]) > 0 and r.rc("unload") == 0
 
 
+def test_kv_region_inputs_and_kv_resident_outputs(driver, shared_device, compiled, example_onnx, tmp_path):
+    d = compiled("multi_output")
+    meta = json.loads((d / "metadata.json").read_text())
+    x = random_inputs(meta, seed=7)
+    r = run(driver, "kv", d / "model.so", spec(tmp_path / "x.bin", x[0]), tmp_path / "kv",
+            socket_path=shared_device.path)
+    assert r.rc("load") == 0 and r.rc("kv") == 0 and int(r["kv_size"]) == 1 << 16
+    assert r.rc("infer_kv_input") == 0 and r.rc("infer_kv_resident") == 0, r.proc.stdout
+    ref = _ort(example_onnx["multi_output"], meta, x)
+    # KV_RESIDENT: only the first output reaches output_buf; the others are
+    # packed 64-byte aligned from the KV region's base (docs/protocol.md)
+    assert int(r["num_outputs"]) == 1
+    np.testing.assert_allclose(read_out(tmp_path / "kv0.bin", r["out0"]), ref[0], rtol=0, atol=TOL)
+    region = (tmp_path / "kvkv.bin").read_bytes()
+    off = 0
+    for want in ref[1:]:
+        got = np.frombuffer(region, want.dtype, want.size, off).reshape(want.shape)
+        np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
+        off = _align(off + want.nbytes, 64)
+
+
 def test_cxx_module_errors_are_typed(sdk, shared_device, wide_bare, tmp_path):
     exe = compile_src(tmp_path, "cpp_errors.cc", CPP_ERRORS)
     r = run(exe, wide_bare, WIDE_IN, socket_path=shared_device.path)
@@ -1020,6 +1041,37 @@ static int cmd_load(const char *so) {
     return 0;
 }
 
+/* an input living in the KV region (passed in place), then KV_RESIDENT:
+ * outputs past the first land in the KV region */
+static int cmd_kv(const char *so, const char *spec, const char *prefix) {
+    c7x_client_t *c = open_or_die(0);
+    c7x_module_info_t mi;
+    report("load", c7x_client_dyn_load_file(c, so, &mi), c);
+    void *kv;
+    size_t kv_size;
+    report("kv", c7x_client_kv_region(c, &kv, &kv_size), c);
+    printf("kv_size %zu\n", kv_size);
+    c7x_tensor_desc_t in;
+    if (parse_tensor(spec, &in)) return 2;
+    uint8_t *slot = (uint8_t *)kv + kv_size / 2; /* KV_RESIDENT outputs pack from the region's base */
+    memcpy(slot, in.data, in.data_size);
+    in.data = slot;
+    c7x_tensor_desc_t out[16];
+    c7x_infer_info_t info;
+    report("infer_kv_input", c7x_client_infer(c, mi.handle, 0, &in, 1, out, 16, 0, &info), c);
+    report("infer_kv_resident", c7x_client_infer(c, mi.handle, 0, &in, 1, out, 16, C7X_INFER_FLAG_KV_RESIDENT, &info),
+           c);
+    printf("num_outputs %u\n", info.num_outputs);
+    write_outputs(prefix, out, info.num_outputs);
+    char path[512];
+    snprintf(path, sizeof path, "%skv.bin", prefix);
+    FILE *f = fopen(path, "wb");
+    fwrite(kv, 1, kv_size / 2, f);
+    fclose(f);
+    c7x_client_close(c);
+    return 0;
+}
+
 /* start a long inference and never return: the test kills us mid-INFER */
 static int cmd_hang(const char *so, const char *spec, int repeat) {
     c7x_client_t *c = open_or_die(120000);
@@ -1303,6 +1355,7 @@ int main(int argc, char **argv) {
     if (!strcmp(c, "capacity")) return cmd_capacity(argv[2], atoi(argv[3]));
     if (!strcmp(c, "infer")) return cmd_infer(argv[2], argv[3], argc - 5, argv + 5, argv[4]);
     if (!strcmp(c, "load")) return cmd_load(argv[2]);
+    if (!strcmp(c, "kv")) return cmd_kv(argv[2], argv[3], argv[4]);
     if (!strcmp(c, "hang")) return cmd_hang(argv[2], argv[3], atoi(argv[4]));
     if (!strcmp(c, "ping_bench")) return cmd_ping_bench(atoi(argv[2]));
     if (!strcmp(c, "ucp_nodev")) return cmd_ucp_nodev();
