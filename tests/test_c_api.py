@@ -174,7 +174,9 @@ class FakeDevice:
 
     _n = 0
 
-    def __init__(self, tmp: Path, version: int = P.VERSION, answer_ping: bool = True):
+    def __init__(self, tmp: Path, version: int = P.VERSION, answer_ping: bool = True, rpc_status: int | None = None):
+        self.rpc_status = rpc_status
+        self.last_failed = 0
         FakeDevice._n += 1
         self.path = str(tmp / f"fake{FakeDevice._n}.sock")
         self.version, self.answer_ping = version, answer_ping
@@ -223,6 +225,12 @@ class FakeDevice:
                     addr += msg.size
                 elif isinstance(msg, P.SetPrintfBuf) and self.answer_ping:
                     conn.send(P.SetPrintfBufResp(seq=msg.seq).encode())
+                elif isinstance(msg, P.Rpc) and self.rpc_status is not None:
+                    self.last_failed = msg.seq
+                    conn.send(P.RpcResp(seq=msg.seq, status=self.rpc_status).encode())
+                elif isinstance(msg, P.GetError) and self.rpc_status is not None:
+                    conn.send(P.GetErrorResp(seq=msg.seq, error_seq=self.last_failed, error_status=self.rpc_status,
+                                             payload=b"task timed out before a core could start it").encode())
                 # everything else (RPC, ...) is never answered
 
     def close(self):
@@ -441,6 +449,11 @@ def test_timeouts_bound_every_wait(driver, fake, tmp_path):
     assert r.rc("wait") == -errno.ETIMEDOUT and "no response to RPC 0x1402 within 200 ms" in r["wait_error"]
     assert r.rc("wait2") == -errno.ETIMEDOUT
     assert r.rc("release") == -errno.EBUSY and "in flight" in r["release_error"]
+    # the device's own ERR_TIMEOUT (a task no core started in time) is -ETIME, with the device's text
+    h = fake(rpc_status=P.Status.ERR_TIMEOUT)
+    r = run(driver, "ucp_timeout", 5000, socket_path=h.path, timeout=30)
+    assert r.rc("wait") == -errno.ETIME and r.rc("wait2") == -errno.ETIME and r.rc("release") == 0
+    assert r["wait_error"] == "ERR_TIMEOUT (-5) on RPC 0x1402: task timed out before a core could start it"
 
 
 def test_handles_and_bad_requests(driver, shared_device, client_of, compiled):
@@ -780,6 +793,34 @@ def test_c_client_killed_mid_infer_leaves_nothing(driver, compiled, tmp_path, cl
         assert dev.alive() and py.ping()["version"] == "3.0.0"
     finally:
         dev.stop()
+
+
+def test_device_killed_mid_infer_gives_a_clear_error(driver, compiled, tmp_path):
+    dev = Device("--carveout-size", "256M", "--ddr-pool-size", "128M")
+    d = compiled("resnet18", kernels=True)
+    x = np.zeros((1, 3, 224, 224), np.float32)
+    e = {**os.environ, "DSPX_SOCKET": dev.path}
+    proc = subprocess.Popen([str(driver), "hang", str(d / "model.so"), spec(tmp_path / "x.bin", x), "200"],
+                            env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        deadline = time.monotonic() + RUN_TIMEOUT
+        while line.strip() != "READY" and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+        assert line.strip() == "READY", proc.stderr.read()
+        time.sleep(0.3)
+        dev.proc.kill()  # the front dies; its cores follow
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        dev.stop()
+    res = Result(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    assert res.rc("long_infer") == -errno.ECONNRESET
+    assert "the device closed the connection" in res["long_infer_error"]
 
 
 # ================================================================ C++: c7x::Module on ResNet-18
