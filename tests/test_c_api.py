@@ -529,6 +529,18 @@ def test_c_client_outputs_match_onnxruntime(driver, shared_device, compiled, exa
     assert int(r["cycles"]) > 0 and r.rc("unload") == 0
 
 
+def test_staging_is_taken_on_first_need_and_grows(driver, shared_device, compiled, client_of):
+    small, big = compiled("multi_input") / "model.so", compiled("multi_output") / "model.so"
+    assert small.stat().st_size < big.stat().st_size
+    r = run(driver, "two_loads", small, big, socket_path=shared_device.path)
+    assert r.rc("load_a") == 0 and r.rc("load_b") == 0 and r.rc("unload_a") == 0 and r.rc("unload_b") == 0
+    u0, u1, u2 = map(int, r["used"].split())
+    kv = 1 << 16
+    # open attached only the printf ring; the first load a staging area sized to it (+ KV region) and io buffers
+    assert u1 - u0 >= _align(small.stat().st_size, 4096) + kv
+    assert u2 > u1 and int(r["modules"]) >= 2  # replaced by a bigger one; both modules loaded
+
+
 def test_kv_region_inputs_and_kv_resident_outputs(driver, shared_device, compiled, example_onnx, tmp_path):
     d = compiled("multi_output")
     meta = json.loads((d / "metadata.json").read_text())
@@ -1082,6 +1094,24 @@ static int cmd_load(const char *so) {
     return 0;
 }
 
+/* a second, bigger load replaces the staging buffer sized to the first */
+static int cmd_two_loads(const char *a, const char *b) {
+    c7x_client_t *c = open_or_die(0);
+    c7x_module_info_t ma, mb;
+    c7x_pool_status_t p0, p1, p2;
+    c7x_client_pool_status(c, &p0);
+    report("load_a", c7x_client_dyn_load_file(c, a, &ma), c);
+    c7x_client_pool_status(c, &p1);
+    report("load_b", c7x_client_dyn_load_file(c, b, &mb), c);
+    c7x_client_pool_status(c, &p2);
+    printf("used %llu %llu %llu\nmodules %u\n", (unsigned long long)p0.carveout_used,
+           (unsigned long long)p1.carveout_used, (unsigned long long)p2.carveout_used, p2.modules);
+    report("unload_a", c7x_client_dyn_unload(c, ma.handle), c);
+    report("unload_b", c7x_client_dyn_unload(c, mb.handle), c);
+    c7x_client_close(c);
+    return 0;
+}
+
 /* an input living in the KV region (passed in place), then KV_RESIDENT:
  * outputs past the first land in the KV region */
 static int cmd_kv(const char *so, const char *spec, const char *prefix) {
@@ -1396,6 +1426,7 @@ int main(int argc, char **argv) {
     if (!strcmp(c, "capacity")) return cmd_capacity(argv[2], atoi(argv[3]));
     if (!strcmp(c, "infer")) return cmd_infer(argv[2], argv[3], argc - 5, argv + 5, argv[4]);
     if (!strcmp(c, "load")) return cmd_load(argv[2]);
+    if (!strcmp(c, "two_loads")) return cmd_two_loads(argv[2], argv[3]);
     if (!strcmp(c, "kv")) return cmd_kv(argv[2], argv[3], argv[4]);
     if (!strcmp(c, "hang")) return cmd_hang(argv[2], argv[3], atoi(argv[4]));
     if (!strcmp(c, "ping_bench")) return cmd_ping_bench(atoi(argv[2]));
