@@ -120,6 +120,8 @@ def _load_extra_commands():
 
 
 _load_extra_commands()
+main.add_command(__import__("dspx.sdk.cli", fromlist=["sdk"]).sdk)
+main.add_command(__import__("dspx.sdk.cli", fromlist=["build_ops"]).build_ops)
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,8 @@ def _fail(e, as_json):
 @click.option("--socket", default=None, envvar="DSPX_SOCKET")
 @click.option("--json", "as_json", is_flag=True)
 def load_ops(file, socket, as_json):
-    """Load an op library (Python source) into a running device.
+    """Load an op library into a running device: Python source, or a native
+    library (LIB.so from ``dspx build-ops``; told apart by the ELF magic).
 
     Its ops stay registered until the library is unloaded or the device
     stops; with no running device a private one checks and loads it, then
@@ -33,9 +34,11 @@ def load_ops(file, socket, as_json):
 
     from .tasks import Tasks
 
+    data = Path(file).read_bytes()
+    source = data if data[:4] == b"\x7fELF" else Path(file)
     try:
         with Tasks(socket=socket, printf_size=0) as ucp:
-            handle, n = ucp.load_ops(Path(file))
+            handle, n = ucp.load_ops(source)
             mine = [o for o in ucp.ops() if o["library"] == handle]
     except Exception as e:
         _fail(e, as_json)
