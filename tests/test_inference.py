@@ -50,16 +50,22 @@ def _assert_close(outs, ref, meta):
 
 
 def _spy(client) -> list:
-    """Record (request, response) of every successful request on ``client``."""
-    log = []
-    real = client.request
+    """Record (request, response) of every successful request on ``client``,
+    decoded from the bytes that went out."""
+    log, sent = [], {}
+    real_send, real_wait = client._send_bytes, client.wait
 
-    def request(msg, fds=(), timeout=None):
-        resp = real(msg, fds, timeout)
-        log.append((msg, resp))
+    def send_bytes(data, seq, name, fds=()):
+        sent[seq] = P.decode(bytes(data))
+        return real_send(data, seq, name, fds)
+
+    def wait(seq, timeout=None, request=""):
+        resp = real_wait(seq, timeout, request)
+        if resp.status == 0 and seq in sent:
+            log.append((sent.pop(seq), resp))
         return resp
 
-    client.request = request
+    client._send_bytes, client.wait = send_bytes, wait
     return log
 
 

@@ -20,6 +20,7 @@ from .abi.protocol import MAX_MSG
 # Plain ints: socket's IntFlag members go through enum machinery on every use.
 _TRUNC = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 _CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+_DONTWAIT = int(socket.MSG_DONTWAIT)
 MAX_FDS = 4  # a protocol message carries at most one dmabuf; a few more are tolerated and closed
 
 
@@ -112,6 +113,7 @@ class Endpoint:
         self._rbuf = memoryview(bytearray(max_msg + 1))
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLRDHUP)
+        self._rcvtimeo = None  # SO_RCVTIMEO last set, in seconds
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -130,21 +132,35 @@ class Endpoint:
         when the datagram was longer than ``bufsize`` (max_msg + 1 by
         default, so an oversized message is visible as such).  Raises
         PeerClosed on EOF and Timeout when nothing arrives in time."""
-        if timeout is not None and not self._poll.poll(0):
-            deadline = time.monotonic() + timeout
-            while not self._poll.poll(max(0, int((deadline - time.monotonic()) * 1000) + 1)):
-                if time.monotonic() >= deadline:
-                    raise Timeout(f"no message within {timeout:.3g} s")
-        return self.recv_ready(bufsize)
+        if timeout is None or self.sock.gettimeout() == 0.0:  # non-blocking socket: wait in poll
+            if timeout is not None and not self._poll.poll(0):
+                deadline = time.monotonic() + timeout
+                while not self._poll.poll(max(0, int((deadline - time.monotonic()) * 1000) + 1)):
+                    if time.monotonic() >= deadline:
+                        raise Timeout(f"no message within {timeout:.3g} s")
+            return self.recv_ready(bufsize)
+        if timeout <= 0:
+            return self.recv_ready(bufsize, _DONTWAIT)
+        # Block in recvmsg itself with a kernel timeout: one syscall per
+        # message, like a bare ping-pong (a poll first costs a second wake-up).
+        if timeout != self._rcvtimeo:
+            sec, usec = int(timeout), int((timeout - int(timeout)) * 1e6)
+            # struct timeval; {0, 0} would mean "wait for ever"
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, usec or (not sec)))
+            self._rcvtimeo = timeout
+        try:
+            return self.recv_ready(bufsize)
+        except Timeout:
+            raise Timeout(f"no message within {timeout:.3g} s") from None
 
-    def recv_ready(self, bufsize: int | None = None):
+    def recv_ready(self, bufsize: int | None = None, flags: int = 0):
         size = bufsize or self.max_msg + 1
         if len(self._rbuf) < size:
             self._rbuf = memoryview(bytearray(size))
         try:
             # Into a buffer kept for the endpoint's life: a fresh 1 MiB bytes
             # object per internal job message cost an mmap/munmap each time.
-            n, anc, flags, _ = self.sock.recvmsg_into((self._rbuf[:size],), self._cmsg_space, _CLOEXEC)
+            n, anc, flags, _ = self.sock.recvmsg_into((self._rbuf[:size],), self._cmsg_space, _CLOEXEC | flags)
             data = self._rbuf[:n].tobytes()
         except (ConnectionResetError, BrokenPipeError):
             raise PeerClosed("peer reset the channel") from None

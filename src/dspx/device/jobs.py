@@ -15,6 +15,7 @@ client can send anything that depends on it.
 from __future__ import annotations
 
 import pickle
+import struct
 from dataclasses import dataclass, field
 
 from ..transport import Endpoint
@@ -162,6 +163,16 @@ class Deliver:
     the front queues it in the connection's outbox."""
     cid: int
     data: bytes
+
+
+# A core's status page, shared with the front (a memfd both map): the id of
+# the last Call the core finished with SUCCESS, and a flag the front raises
+# when it wants a Done datagram for it (it has work queued behind the call).
+# A successful call thus costs the front no wake-up: the front reads the page
+# when it next needs to know (the client's next request, scheduling,
+# housekeeping).  Failures always send their Done, which carries the error.
+STATUS_PAGE = struct.Struct("<QQ")  # done_job, wake
+STATUS_SIZE = 4096
 
 
 def endpoint(sock) -> Endpoint:

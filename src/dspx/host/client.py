@@ -18,6 +18,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import memory
 from ..abi import layout, protocol as P
 from ..errors import CapacityError, DeviceError, DeviceLost, DeviceTimeout, DspxError, VersionMismatch
@@ -58,6 +60,7 @@ class Client:
                  printf_size: int = memory.PRINTF_SIZE, cores: int = 1, device_args=()):
         self.timeout = timeout
         self.session = Session()
+        self._infer_plans: dict = {}  # layouts of recent inferences (see infer)
         self._lock = threading.RLock()
         self.device: launcher.PrivateDevice | None = None
         path, self.device = launcher.resolve(socket, cores=cores, extra_args=device_args)
@@ -104,7 +107,9 @@ class Client:
         """Send a request; return its seq (for ``wait``)."""
         if self._closed:
             raise DspxError("client is closed")
-        data = self.session.start(msg)
+        return self._send_bytes(self.session.start(msg), msg.seq, msg.NAME, fds)
+
+    def _send_bytes(self, data, seq: int, name: str, fds=()) -> int:
         deadline = time.monotonic() + self.timeout
         while True:
             try:
@@ -112,12 +117,12 @@ class Client:
                     _socket.send_fds(self.ep.sock, [data], list(fds), _socket.MSG_DONTWAIT)
                 else:
                     self.ep.sock.send(data, _socket.MSG_DONTWAIT)
-                return msg.seq
+                return seq
             except BlockingIOError:
                 # The device stops reading a connection that leaves its
                 # responses unread (flow control): take them now, keep them
                 # for their waiters, and try again — never block for ever.
-                self._drain_for_send(deadline, msg.NAME)
+                self._drain_for_send(deadline, name)
             except (BrokenPipeError, ConnectionResetError) as e:
                 raise DeviceLost(f"device closed the connection: {e.strerror}") from None
 
@@ -320,8 +325,6 @@ class Client:
 
     def create_input(self, shape, dtype):
         """An array living in input_buf: passing it to infer skips the copy."""
-        import numpy as np
-
         dt = np.dtype(dtype)
         off = self.session.io.create_input(int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
         return self.input_buf.array(off, shape, dt)
@@ -341,15 +344,34 @@ class Client:
         input_buf are passed in place; others are copied once.  ``kv_inputs``
         are ``(index, kv_offset, shape, dtype)`` for inputs that live in the
         KV region.  Returns descriptors of outputs in output_buf."""
-        plan = self.session.io.plan_infer(handle, inputs, [self.in_input_buf(a) for a in inputs], model_id,
-                                          repeat, kv_resident, kv_inputs)
+        if self._closed:
+            raise DspxError("client is closed")
+        io = self.session.io
+        offsets = [self.in_input_buf(a) for a in inputs]
+        # A call shaped like an earlier one (same module, same io buffers, same
+        # input placement) reuses its layout and encoded request.
+        key = (handle, model_id, repeat, kv_resident, tuple(kv_inputs), io.state(),
+               tuple(zip(offsets, [a.shape for a in inputs], [a.dtype for a in inputs])))
+        cached = self._infer_plans.get(key)
         ib = self.input_buf
+        if cached is None:
+            plan = io.plan_infer(handle, inputs, offsets, model_id, repeat, kv_resident, kv_inputs)
+            copied = [i for i, off in enumerate(offsets) if off is None]
+            cached = ([(ib.array(off, a.shape, a.dtype), i) for (off, a), i in zip(plan.copies, copied)],
+                      plan.table, bytearray(plan.message.encode()), plan.message.NAME)
+            if len(self._infer_plans) >= 16:
+                self._infer_plans.clear()
+            self._infer_plans[key] = cached
+        dsts, table, request, name = cached
         ib.begin_cpu_access(memory.SYNC_WRITE)
-        for off, a in plan.copies:
-            ib.array(off, a.shape, a.dtype)[...] = a
-        ib.mm[:len(plan.table)] = plan.table
+        for dst, i in dsts:
+            np.copyto(dst, inputs[i])
+        if table:
+            ib.mm[:len(table)] = table
         ib.end_cpu_access(memory.SYNC_WRITE)
-        r = self.request(plan.message, timeout=timeout)
+        seq = self.session.start_bytes(request)
+        resp = self.wait(self._send_bytes(request, seq, name), timeout, name)
+        r = resp if resp.status == 0 else self.check(resp, name)
         ob = self.output_buf
         ob.begin_cpu_access(memory.SYNC_READ)
         out_descs = r.descs

@@ -9,12 +9,15 @@ and asks this module what to do, so every rule here is tested with no device.
 from __future__ import annotations
 
 import itertools
+import struct
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..abi import layout, protocol as P
 from ..errors import CapacityError, CapacityLocked, CapacityWarning, DeviceError, device_error
+
+_SEQ = struct.Struct("<I")  # the header's seq field, at offset 4
 
 # Response fields a typed exception carries when the device set them.
 NUMBERS = ("oom_requested", "oom_free", "oom_total", "result_required", "return_value", "cycles", "error_line")
@@ -36,6 +39,13 @@ class Session:
         data = msg.encode()
         self._outstanding.add(msg.seq)
         return data
+
+    def start_bytes(self, request: bytearray) -> int:
+        """``start`` for a request already encoded: write the next seq into it."""
+        seq = next(self._seqs) & 0xFFFFFFFF
+        _SEQ.pack_into(request, 4, seq)
+        self._outstanding.add(seq)
+        return seq
 
     def receive(self, data) -> None:
         """One datagram from the device.  A response to an outstanding
@@ -111,6 +121,11 @@ class IoCapacity:
             raise CapacityLocked(f"reserve_io({input_bytes}, {output_bytes}) refused: capacity was locked at "
                                  f"input {self.input} / output {self.output} bytes by its first successful use")
         return self.declare(input_bytes, output_bytes, num_inputs)
+
+    def state(self) -> tuple:
+        """Everything an inference's layout depends on, to key cached layouts by."""
+        return (self.size["input"], self.dsp_addr["input"], self.size["output"], self.dsp_addr["output"],
+                self.kv_addr, self.tensors_from, self._created)
 
     def replaced(self, side: str, size: int, dsp_addr: int) -> None:
         """The client attached a new buffer for ``side``.  Arrays create_input

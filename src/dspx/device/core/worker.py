@@ -42,8 +42,9 @@ class JobAborted(Exception):
 
 
 class Core:
-    def __init__(self, ep: Endpoint, index: int, threads: int):
+    def __init__(self, ep: Endpoint, index: int, threads: int, status: mmap.mmap | None = None):
         self.ep = ep
+        self.status = status if status is not None else mmap.mmap(-1, jobs.STATUS_SIZE)
         self.index = index
         self.threads = threads
         self.bufs: dict[int, mmap.mmap] = {}
@@ -300,17 +301,24 @@ class Core:
                 spec.resp_type & ~P.RESPONSE_BIT if spec is not None else P.MsgType.INFER)
             resp = P.failure_response(req_type, rec.seq, status, **numbers).encode()
         client = self.clients.get(spec.cid) if spec is not None else None
-        # The front hears first, so its state is current before the client can act on the answer.
-        jobs.send(self.ep, jobs.Done(rec.job, int(status), error, rec.seq, numbers,
-                                     response=None if client is not None else resp))
-        if client is None:
-            return
-        try:
-            client.send(resp, _DONTWAIT)
-        except BlockingIOError:  # the client is not reading: the front keeps it in its outbox
-            jobs.send(self.ep, jobs.Deliver(spec.cid, resp))
-        except OSError:
-            pass  # the client is gone
+        # The front learns of the end before the client can act on the answer:
+        # a success through the status page, a failure (with its text) by a Done.
+        wake = False
+        if status == Status.SUCCESS and client is not None:
+            jobs.STATUS_PAGE.pack_into(self.status, 0, rec.job, 0)
+            wake = jobs.STATUS_PAGE.unpack_from(self.status)[1] != 0
+        else:
+            jobs.send(self.ep, jobs.Done(rec.job, int(status), error, rec.seq, numbers,
+                                         response=None if client is not None else resp))
+        if client is not None:
+            try:
+                client.send(resp, _DONTWAIT)
+            except BlockingIOError:  # the client is not reading: the front keeps it in its outbox
+                jobs.send(self.ep, jobs.Deliver(spec.cid, resp))
+            except OSError:
+                pass  # the client is gone
+        if wake:  # the front has work queued behind this call
+            jobs.send(self.ep, jobs.Done(rec.job, int(status), seq=rec.seq))
 
     def serve(self) -> None:
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
@@ -376,6 +384,7 @@ def _die_with_parent() -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="dspx-core")
     ap.add_argument("--fd", type=int, required=True)
+    ap.add_argument("--status-fd", type=int, default=None)
     ap.add_argument("--index", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0)
     a = ap.parse_args(argv)
@@ -385,7 +394,11 @@ def main(argv=None) -> None:
             os.environ.setdefault(var, str(a.threads))
     _die_with_parent()
     sock = socket.socket(fileno=a.fd)
-    core = Core(jobs.endpoint(sock), a.index, a.threads)
+    status = None
+    if a.status_fd is not None:
+        status = mmap.mmap(a.status_fd, jobs.STATUS_SIZE)
+        os.close(a.status_fd)
+    core = Core(jobs.endpoint(sock), a.index, a.threads, status)
     try:
         core.serve()
     except KeyboardInterrupt:

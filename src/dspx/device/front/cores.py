@@ -9,6 +9,7 @@ the channel is writable again.
 from __future__ import annotations
 
 import collections
+import mmap
 import os
 import socket
 import subprocess
@@ -42,19 +43,32 @@ class CoreProc:
 
     def start(self) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        status_fd = os.memfd_create(f"dspx-core{self.index}-status", os.MFD_CLOEXEC)
+        os.ftruncate(status_fd, jobs.STATUS_SIZE)
+        self.status = mmap.mmap(status_fd, jobs.STATUS_SIZE)
         env = dict(os.environ if self.env is None else self.env)
         if self.threads:
             env.setdefault("OMP_NUM_THREADS", str(self.threads))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dspx.device.core", "--fd", str(child.fileno()),
+            [sys.executable, "-m", "dspx.device.core", "--fd", str(child.fileno()), "--status-fd", str(status_fd),
              "--index", str(self.index), "--threads", str(self.threads)],
-            pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
+            pass_fds=[child.fileno(), status_fd], env=env, stdin=subprocess.DEVNULL)
         child.close()
+        os.close(status_fd)
         parent.setblocking(False)
         self.ep = jobs.endpoint(parent)
         self.generation += 1
         self.ready = False
         self._reset()
+
+    def finished(self) -> bool:
+        """Whether the running Call has ended with SUCCESS (the status page says so)."""
+        job = self.running
+        return job is not None and jobs.STATUS_PAGE.unpack_from(self.status)[0] == job.rec.job
+
+    def want_done(self, wake: bool) -> None:
+        """Ask for (or stop asking for) a Done datagram when the running call succeeds."""
+        jobs.STATUS_PAGE.pack_into(self.status, 0, jobs.STATUS_PAGE.unpack_from(self.status)[0], int(wake))
 
     @property
     def alive_generation(self) -> int | None:

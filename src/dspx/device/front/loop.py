@@ -260,8 +260,20 @@ class Service:
         for c in self.cores:
             if c.running is not None and c.running.conn is conn:
                 self._drain_core(c)
+                self._poll_done(c)
+
+    def _poll_done(self, c: CoreProc) -> bool:
+        """End the core's running call if its status page says it succeeded."""
+        if not c.finished():
+            return False
+        job = c.running
+        c.running, c.abort_job, c.timed_out = None, None, False
+        self._finish(job, jobs.Done(job.rec.job, S.SUCCESS, seq=job.rec.seq))
+        return True
 
     def _check_running(self, c: CoreProc, now: float) -> None:
+        if self._poll_done(c):
+            self._schedule()
         job = c.running
         if job is None:
             return
@@ -308,8 +320,19 @@ class Service:
         self._schedule()
 
     def _schedule(self) -> None:
+        if not self.pending:
+            return
+        for c in self.cores:
+            if isinstance(getattr(c.running, "rec", None), jobs.Call):
+                self._poll_done(c)
         idle = [c for c in self.cores if c.ready and c.running is None]
-        if not idle or not self.pending:
+        if not idle:
+            # Work waits behind running calls: have them say when they end.
+            for c in self.cores:
+                if c.running is not None:
+                    c.want_done(True)
+            if any(self._poll_done(c) for c in self.cores):  # one ended just before it saw the flag
+                self._schedule()
             return
         rest = []
         while self.pending and idle:
@@ -342,6 +365,7 @@ class Service:
         c.known_bufs.update(b.buf_id for b in new)
         c.running = job
         job.started_at = time.monotonic()
+        c.want_done(bool(self.pending))
         self._inflight[rec.job] = job
         if not c.send(rec, fds):
             self._core_died(c)
