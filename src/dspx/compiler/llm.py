@@ -43,16 +43,11 @@ import numpy as np
 
 from dspx.compiler.module import (IO_META_NAME, SIGNATURE_NAME, Signature, TensorSpec, export_module,
                                   make_io_meta, write_metadata, write_weights)
+from dspx.abi import llmpack
 from dspx.abi.layout import align, desc_region, side_bytes
+from dspx.abi.llmpack import CHUNK, CONTEXT, DECODE_FILE, FORMAT, METADATA_FILE, PREFILL_FILE, WEIGHTS_FILE
 
-CONTEXT = 256
-CHUNK = 64
 TN = 64  # output rows per GEMV tile (4 AVX-512 vectors)
-PREFILL_FILE = "prefill.so"
-DECODE_FILE = "decode.so"
-WEIGHTS_FILE = "weights.bin"
-METADATA_FILE = "metadata.json"
-FORMAT = "dspx-llm/1"
 
 
 from dspx.llm import LLMError  # noqa: E402  (needs the llm extra: gguf, tokenizers)
@@ -630,11 +625,9 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
                                   tvm_version=tvm.__version__, module_file=fname, weights_file=WEIGHTS_FILE,
                                   io_reserve=reserve)
             entries[name] = meta
-    kv_tensors = []
-    for i in range(d.n_layers):
-        for kind in "kv":
-            kv_tensors.append({"name": f"{kind}{i}", "layer": i, "kind": kind,
-                               "offset": len(kv_tensors) * align(d.kv_bytes, 64)})
+    offsets, kv_end = llmpack.kv_offsets(2 * d.n_layers, d.kv_bytes)
+    kv_tensors = [{"name": f"{kind}{i}", "layer": i, "kind": kind, "offset": offsets[2 * i + j]}
+                  for i in range(d.n_layers) for j, kind in enumerate("kv")]
     meta = {
         "format": FORMAT,
         "model": {"name": model.config.name, "architecture": "llama", **asdict(d)},
@@ -649,7 +642,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
                                "Q8_0 embedding/LM head (f16 d, int8 q), F32 norms, F32 RoPE tables"},
         "kv": {"order": "k0, v0, k1, v1, ...", "shape": list(d.kv_shape), "dtype": "float32",
                "tensor_bytes": d.kv_bytes, "count": len(kv_tensors),
-               "total_bytes": align(d.kv_bytes, 64) * len(kv_tensors),
+               "total_bytes": kv_end,
                "layout": "KV region base + i * tensor_bytes (the device packs KV outputs there, 64-aligned)",
                "tensors": kv_tensors, "k_rope": "pairwise (GGUF row order), applied before caching"},
         "modules": entries,

@@ -28,16 +28,15 @@ region.)
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..abi import llmpack
 from ..errors import CapacityWarning
 from ..llm import LLMError
 
@@ -97,25 +96,19 @@ class DeviceLLM:
 
     def __init__(self, model_dir=None, *, client=None, gguf=None, socket: str | None = None,
                  progress: bool = True):
-        from ..compiler.llm import FORMAT, METADATA_FILE, compiled_dir
         from .client import Client
 
         t0 = time.perf_counter()
-        self.dir = Path(model_dir) if model_dir is not None else compiled_dir(gguf, progress=progress)
-        meta_path = self.dir / METADATA_FILE
-        if not meta_path.exists():
-            raise LLMError(f"{self.dir} is not a compiled LLM (no {METADATA_FILE}): run dspx compile-llm")
-        self.meta = json.loads(meta_path.read_text())
-        if self.meta.get("format") != FORMAT:
-            raise LLMError(f"{meta_path}: format {self.meta.get('format')!r}, expected {FORMAT!r}")
-        m = self.meta["model"]
-        self.context = int(self.meta["context"])
-        self.chunk = int(self.meta["prefill_chunk"])
-        self.vocab = int(m["vocab"])
-        kv = self.meta["kv"]
-        self.kv_shape = tuple(kv["shape"])
-        self.kv_offsets = [int(t["offset"]) for t in kv["tensors"]]
-        self.kv_total = int(kv["total_bytes"])
+        if model_dir is None:  # compile the GGUF on first use (cached)
+            from ..compiler.llm import compiled_dir
+            model_dir = compiled_dir(gguf, progress=progress)
+        try:
+            pkg = llmpack.read(model_dir)
+        except llmpack.PackageError as e:
+            raise LLMError(str(e)) from None
+        self.dir, self.meta = pkg.dir, pkg.meta
+        self.context, self.chunk, self.vocab = pkg.context, pkg.chunk, pkg.vocab
+        self.kv_shape, self.kv_offsets, self.kv_total = pkg.kv_shape, pkg.kv_offsets, pkg.kv_total
         self._own_client = client is None
         self.client = client if client is not None else Client(socket)
         if self.client.kv_size < self.kv_total:
@@ -343,8 +336,10 @@ class Generator:
         if tokenizer is None:
             src = gguf
             if src is None and model_dir is not None:
-                meta = json.loads((Path(model_dir) / "metadata.json").read_text())
-                src = meta["tokenizer"]["gguf"]
+                try:
+                    src = llmpack.read(model_dir).meta["tokenizer"]["gguf"]
+                except (llmpack.PackageError, KeyError, TypeError) as e:
+                    raise LLMError(f"{model_dir}: {e}") from None
             if src is None and llm is not None:
                 src = llm.meta["tokenizer"]["gguf"]
             tokenizer = Tokenizer.from_gguf(src)
@@ -363,8 +358,7 @@ class Generator:
     def context(self) -> int:
         if self._llm is not None:
             return self._llm.context
-        from ..compiler.llm import CONTEXT
-        return CONTEXT
+        return llmpack.CONTEXT
 
     def encode(self, prompt, chat: bool = True) -> list[int]:
         if isinstance(prompt, str):

@@ -1,0 +1,354 @@
+"""The front's request handlers, driven directly: no socket, no core process.
+
+Each test names the rule it checks.  A handler takes (conn, request, fds) and
+returns actions; dmabufs are real sealed memfds so attach maps real pages.
+"""
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+
+from dspx import memory
+from dspx.abi import protocol as P
+from dspx.abi.protocol import Status as S
+from dspx.device import jobs
+from dspx.device.front.handlers import Cores, Forget, Handlers, Notify, Respond, Submit, _NoRoom
+from dspx.device.front.state import MAX_BUFS_PER_CONN, Conn, DeviceState, ModuleRec
+
+MiB = 1 << 20
+SIG = {"inputs": [{"name": "x", "shape": [2, 8], "dtype": "float32"}], "weights": "embedded"}
+
+
+class Front:
+    def __init__(self, cores: int = 2):
+        self.st = DeviceState(carveout_size=64 * MiB, ddr_pool_size=8 * MiB)
+        self.h = Handlers(self.st, Cores(cores, lambda i: 1))
+        self.conn = Conn(self.st.new_id(), None, 0)
+        self.st.conns[self.conn.cid] = self.conn
+        self.bufs = []
+
+    def __call__(self, req, fds=()):  # fds: the front's own (SCM_RIGHTS gives it a dup)
+        return self.h.handle(self.conn, req, list(fds))
+
+    def attach(self, size: int, staging: bool = False, kv: int = 0) -> int:
+        b = memory.DmaBuf(size, "test")
+        self.bufs.append(b)
+        (resp,) = responses(self(P.BufAttach(size=size, flags=P.ATTACH_STAGING if staging else 0, kv_size=kv),
+                                 [os.dup(b.fd)]))
+        assert resp.status == 0, resp
+        return resp.dsp_addr
+
+    def module(self, signature=SIG) -> int:
+        h = self.st.new_id()
+        self.st.modules[h] = ModuleRec(h, self.conn.cid, 0, 1, "module", 0, signature)
+        self.conn.modules.add(h)
+        return h
+
+
+def responses(actions):
+    return [a.msg for a in actions if isinstance(a, Respond)]
+
+
+def status(actions) -> int:
+    (r,) = responses(actions)
+    return r.status
+
+
+def submitted(actions):
+    (s,) = [a for a in actions if isinstance(a, Submit)]
+    return s.job
+
+
+@pytest.fixture
+def front():
+    f = Front()
+    yield f
+    for b in f.bufs:
+        b.close()
+
+
+def infer_req(base: int, handle: int, size: int, descs, flags: int = 0, out=None):
+    out_addr, out_size = out or (base, size)
+    return P.Infer(module_handle=handle, num_inputs=len(descs), flags=flags, input_dsp_addr=base,
+                   input_size=size, result_dsp_addr=out_addr, result_size=out_size, descs=descs)
+
+
+# ---------------------------------------------------------------- basics and errors
+
+def test_ping_answers_version_with_the_same_seq(front):
+    (r,) = responses(front(P.Ping(seq=77)))
+    assert (r.seq, r.status, r.version) == (77, 0, 0x030000)
+
+
+def test_a_refusal_is_remembered_for_get_error(front):
+    front(P.BufDetach(seq=9, dsp_addr=0x1234))
+    (e,) = responses(front(P.GetError(seq=10)))
+    assert (e.error_seq, e.error_status) == (9, S.ERR_ADDR) and b"0x1234" in e.payload
+
+
+# ---------------------------------------------------------------- BUF_ATTACH / DETACH
+
+def test_attach_needs_exactly_one_fd(front):
+    assert status(front(P.BufAttach(size=4096))) == S.ERR_INVALID
+
+
+def test_attach_refuses_unknown_flags(front):
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    assert status(front(P.BufAttach(size=4096, flags=2), [os.dup(b.fd)])) == S.ERR_INVALID
+
+
+def test_kv_size_only_with_a_staging_buffer(front):
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    assert status(front(P.BufAttach(size=4096, kv_size=64), [os.dup(b.fd)])) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("kv", [65, 8192])
+def test_kv_region_must_be_64_aligned_and_fit(front, kv):
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    assert status(front(P.BufAttach(size=4096, flags=P.ATTACH_STAGING, kv_size=kv), [os.dup(b.fd)])) == S.ERR_INVALID
+
+
+def test_first_attach_lands_at_the_window_base_and_one_staging_only(front):
+    assert front.attach(MiB, staging=True, kv=4096) == memory.CARVEOUT_BASE
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    assert status(front(P.BufAttach(size=4096, flags=P.ATTACH_STAGING), [os.dup(b.fd)])) == S.ERR_INVALID
+
+
+def test_attach_past_the_per_connection_limit_is_nomem(front):
+    for _ in range(MAX_BUFS_PER_CONN):
+        front.attach(4096)
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    assert status(front(P.BufAttach(size=4096), [os.dup(b.fd)])) == S.ERR_NOMEM
+
+
+def test_detach_of_an_unknown_address_is_err_addr(front):
+    assert status(front(P.BufDetach(dsp_addr=memory.CARVEOUT_BASE))) == S.ERR_ADDR
+
+
+def test_detach_of_a_buffer_a_job_uses_is_busy(front):
+    addr = front.attach(4096)
+    front.conn.bufs[addr].busy = 1
+    assert status(front(P.BufDetach(dsp_addr=addr))) == S.ERR_BUSY
+    assert addr in front.conn.bufs
+
+
+def test_detach_frees_the_window_and_tells_the_cores(front):
+    addr = front.attach(4096)
+    buf_id = front.conn.bufs[addr].buf_id
+    actions = front(P.BufDetach(dsp_addr=addr))
+    assert status(actions) == 0 and front.st.window.used == 0
+    assert any(isinstance(a, Forget) and a.bufs == [buf_id] for a in actions)
+
+
+# ---------------------------------------------------------------- SET_PRINTF_BUF
+
+def test_printf_reserved_must_be_zero(front):
+    addr = front.attach(4096)
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=addr, printf_size=4096, reserved=1))) == S.ERR_INVALID
+
+
+def test_printf_buffer_needs_header_and_room(front):
+    addr = front.attach(4096)
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=addr, printf_size=31))) == S.ERR_INVALID
+
+
+def test_printf_buffer_outside_the_connection_is_err_addr(front):
+    addr = front.attach(4096)
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=addr + 2048, printf_size=4096))) == S.ERR_ADDR
+
+
+def test_printf_ring_header_is_initialised(front):
+    addr = front.attach(4096)
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=addr + 1024, printf_size=2048))) == 0
+    mm = front.conn.bufs[addr].region.mm
+    # magic "PRNT", write index 0, size, reserved — written out by hand
+    assert bytes(mm[1024:1040]) == b"PRNT" + bytes(4) + struct.pack("<I", 2048) + bytes(4)
+
+
+# ---------------------------------------------------------------- DYN_LOAD / MODEL_LOAD
+
+def test_dyn_load_needs_a_staging_buffer(front):
+    assert status(front(P.DynLoad(elf_size=100))) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("size", [0, MiB - 4096 + 1])
+def test_dyn_load_size_must_fit_staging_above_kv(front, size):
+    front.attach(MiB, staging=True, kv=4096)
+    assert status(front(P.DynLoad(elf_size=size))) == S.ERR_SIZE
+
+
+@pytest.mark.parametrize("field", ["reserved0", "reserved1"])
+def test_dyn_load_reserved_fields_must_be_zero(front, field):
+    front.attach(MiB, staging=True)
+    assert status(front(P.DynLoad(elf_size=100, **{field: 1}))) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("field", ["flags", "reserved0", "reserved1"])
+def test_model_load_flags_and_reserved_must_be_zero(front, field):
+    front.attach(MiB, staging=True)
+    assert status(front(P.ModelLoad(weights_size=100, **{field: 1}))) == S.ERR_INVALID
+
+
+def test_dyn_load_is_a_job_for_core_0_and_its_answer_carries_io_meta(front):
+    front.attach(MiB, staging=True)
+    job = submitted(front(P.DynLoad(seq=5, elf_size=1000)))
+    assert isinstance(job.rec, jobs.LoadModule) and job.core == 0 and job.rec.size == 1000
+    done = jobs.Done(job.rec.job, value=jobs.Loaded(4096, 1024, 0, (1, 1, 256, 128, 1), SIG))
+    (r,) = responses(job.on_done(done))
+    assert (r.seq, r.status, r.io_input_bytes, r.io_output_bytes, r.io_num_inputs, r.io_flags) == (5, 0, 256, 128, 1, 1)
+    assert front.st.ddr.used == 5120 and r.module_handle in front.conn.modules
+
+
+def test_a_module_that_does_not_fit_the_ddr_pool_is_unloaded_and_refused_with_the_numbers(front):
+    front.attach(MiB, staging=True)
+    job = submitted(front(P.DynLoad(elf_size=1000)))
+    with pytest.raises(_NoRoom) as e:
+        job.on_done(jobs.Done(job.rec.job, value=jobs.Loaded(16 * MiB, 0, 0, None, None)))
+    assert e.value.status == S.ERR_NOMEM and e.value.numbers["oom_requested"] == 16 * MiB
+    assert e.value.numbers["oom_total"] == 8 * MiB and isinstance(e.value.undo, Notify)
+    assert front.st.ddr.used == 0
+
+
+def test_unload_of_an_unknown_model_is_err_handle(front):
+    assert status(front(P.ModelUnload(model_id=42))) == S.ERR_HANDLE
+
+
+# ---------------------------------------------------------------- INFER
+
+def _desc(addr, shape=(2, 8), dtype="float32"):
+    return P.TensorDesc.for_array(addr, shape, dtype)
+
+
+def test_infer_of_an_unknown_module_is_err_handle(front):
+    base = front.attach(4096)
+    assert status(front(infer_req(base, 99, 4096, [_desc(base + 128)]))) == S.ERR_HANDLE
+
+
+def test_infer_reserved_flag_bits_are_refused(front):
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)], flags=1 << 17))) == S.ERR_INVALID
+
+
+def test_infer_descriptor_count_must_match_num_inputs(front):
+    base, h = front.attach(4096), front.module()
+    req = infer_req(base, h, 4096, [_desc(base + 128)])
+    req.num_inputs = 2
+    assert status(front(req)) == S.ERR_INVALID
+
+
+def test_infer_input_outside_the_input_range_is_err_addr(front):
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 1024, [_desc(base + 1024)]))) == S.ERR_ADDR
+
+
+def test_infer_input_range_not_owned_is_err_addr(front):
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base + 8192, h, 1024, [_desc(base + 8192)]))) == S.ERR_ADDR
+
+
+def test_infer_kv_resident_needs_a_kv_region(front):
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)], flags=P.FLAG_KV_RESIDENT))) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 4), "float32"), ((2, 8), "int32")])
+def test_infer_against_the_signature_is_err_tensor(front, shape, dtype):
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 4096, [_desc(base + 128, shape, dtype)]))) == S.ERR_TENSOR
+
+
+def test_infer_of_a_separate_weights_module_without_a_model_is_err_weights(front):
+    base, h = front.attach(4096), front.module(dict(SIG, weights="separate"))
+    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)]))) == S.ERR_WEIGHTS
+
+
+def test_infer_is_planned_once_and_replayed_until_the_buffers_change(front):
+    base, h = front.attach(4096), front.module()
+    req = infer_req(base, h, 4096, [_desc(base + 128)])
+    data = req.encode()
+    key = Handlers.plan_key(front.conn, P.MsgType.INFER, data)
+    job = submitted(front.h.h_infer(front.conn, req, [], key=key))
+    spec = job.plan.spec
+    assert isinstance(job.rec, jobs.Call) and job.rec.seq == req.seq
+    buf_id = front.conn.bufs[base].buf_id
+    assert spec.inputs == [(buf_id, 128, (2, 8), "float32")] and spec.result == (buf_id, 0, 4096, base)
+    # same bytes, another seq: the same plan
+    again = P.decode(data)
+    again.seq = 1234
+    assert Handlers.plan_key(front.conn, P.MsgType.INFER, again.encode()) == key
+    assert submitted(front.h.replay(front.conn, front.conn.plans[key], 1234)).plan is job.plan
+    # attaching a buffer drops every plan of the connection, and the cores are told
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    actions = front(P.BufAttach(size=4096), [os.dup(b.fd)])
+    assert not front.conn.plans and any(isinstance(a, Forget) and a.plans == [job.plan.plan_id] for a in actions)
+
+
+def test_infer_large_keys_include_the_descriptor_table(front):
+    base, h = front.attach(4096), front.module()
+    mm = front.conn.bufs[base].region.mm
+    mm[:80] = _desc(base + 128).encode()
+    req = P.InferLarge(module_handle=h, num_inputs=1, descs_addr=base, descs_size=80, input_dsp_addr=base,
+                       input_size=4096, result_dsp_addr=base, result_size=4096)
+    k1 = Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, req.encode())
+    mm[:80] = _desc(base + 192).encode()
+    k2 = Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, req.encode())
+    assert k1 != k2
+    job = submitted(front.h.h_infer_large(front.conn, req, [], key=k2))
+    assert job.plan.spec.inputs[0][1] == 192  # the table as read for the key, not re-read later
+
+
+@pytest.mark.parametrize("change", [dict(reserved=1), dict(num_inputs=4097, descs_size=4097 * 80),
+                                    dict(descs_size=79)])
+def test_infer_large_framing_rules(front, change):
+    base, h = front.attach(4096), front.module()
+    req = P.InferLarge(module_handle=h, num_inputs=1, descs_addr=base, descs_size=80, input_dsp_addr=base,
+                       input_size=4096, result_dsp_addr=base, result_size=4096)
+    for k, v in change.items():
+        setattr(req, k, v)
+    assert status(front(req)) == S.ERR_INVALID
+
+
+# ---------------------------------------------------------------- RPC and op libraries
+
+def test_rpc_for_an_unregistered_command_is_err_op(front):
+    base = front.attach(4096)
+    assert status(front(P.Rpc(cmd=0x7777, input_dsp_addr=base, input_size=16, output_dsp_addr=base,
+                              output_size=16))) == S.ERR_OP
+
+
+@pytest.mark.parametrize("core,priority", [(2, 0), (-2, 0), (0, 256)])
+def test_rpc_core_and_priority_ranges(front, core, priority):
+    front.st.op_table[0x1402] = ("softmax", 0, 0)
+    base = front.attach(4096)
+    assert status(front(P.Rpc(cmd=0x1402, core=core, priority=priority, input_dsp_addr=base, input_size=16,
+                              output_dsp_addr=base, output_size=16))) == S.ERR_INVALID
+
+
+def test_rpc_job_carries_priority_core_and_the_whole_address_space(front):
+    front.st.op_table[0x1402] = ("softmax", 0, 0)
+    a, b = front.attach(4096), front.attach(8192)
+    job = submitted(front(P.Rpc(cmd=0x1402, core=1, priority=7, timeout_ms=500, input_dsp_addr=a,
+                                input_size=24, output_dsp_addr=b + 16, output_size=64)))
+    spec = job.plan.spec
+    assert (job.core, job.priority) == (1, 7) and job.deadline is not None
+    assert spec.output == (front.conn.bufs[b].buf_id, 16, 64)
+    assert sorted(r[1] for r in spec.regions) == [a, b]
+
+
+@pytest.mark.parametrize("size,want", [(0, S.ERR_SIZE), ((128 << 10) + 1, S.ERR_SIZE)])
+def test_op_library_size_limits(front, size, want):
+    base = front.attach(256 << 10)
+    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=size))) == want
+
+
+def test_op_library_flags_must_be_zero(front):
+    base = front.attach(4096)
+    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=16, flags=1))) == S.ERR_INVALID
