@@ -81,7 +81,7 @@ static int op_dma(void *input, void *output, void *tm) {
 
 /* 0x5004: a C7x auto-increment transfer from DDR to the output: i[0] sync
  * type, i[1..4] source icnt0..3, i[5..7] sdim1..3, i[8..11] dest icnt,
- * i[12..14] ddim1..3; mode 0 into the output, 1 into an L2 tile then copied out.
+ * i[12..14] ddim1..3; mode bit 0: through an L2 tile, bit 1: trigger once too often.
  * Returns the number of triggers it made. */
 static int op_autoinc(void *input, void *output, void *tm) {
     struct args *a = input;
@@ -90,7 +90,7 @@ static int op_autoinc(void *input, void *output, void *tm) {
         return HB_ERR_MMAP_FAILED;
     uint8_t *dst = output, *tile = NULL;
     size_t out_bytes = dspx_output_size();
-    if (a->mode == 1) {
+    if (a->mode & 1) {
         tile = xvAllocateBuffer(tm, (int32_t)out_bytes, XV_MEM_BANK_COLOR_0, 64);
         if (tile == NULL) return -3;
         memset(tile, 0, out_bytes);
@@ -116,8 +116,8 @@ static int op_autoinc(void *input, void *output, void *tm) {
         if (left < 0) return left;
         if (DmaUtilsAutoInc3d_wait(HB_IDMA_CH1) != 0) return -5;
     }
-    if (DmaUtilsAutoInc3d_trigger(HB_IDMA_CH1) >= 0) /* one too many */
-        return -100;
+    if (a->mode & 2) /* one trigger too many */
+        return DmaUtilsAutoInc3d_trigger(HB_IDMA_CH1);
     DmaUtilsAutoInc3d_deconfigure(HB_IDMA_CH1);
     if (tile != NULL) {
         memcpy(output, tile, out_bytes);

@@ -70,14 +70,19 @@ def _array_targets(elf: ELFFile, sec) -> list[int]:
     return list(targets.values())
 
 
-def _check_init(elf: ELFFile, filename: str) -> None:
-    names: dict[int, set[str]] | None = None
+def _functions(elf: ELFFile) -> dict[int, set[str]] | None:
+    """Function names by address from .symtab (None when stripped)."""
     symtab = elf.get_section_by_name(".symtab")
-    if symtab is not None:
-        names = {}
-        for s in symtab.iter_symbols():
-            if s["st_info"]["type"] == "STT_FUNC":
-                names.setdefault(s["st_value"], set()).add(s.name)
+    if symtab is None:
+        return None
+    names: dict[int, set[str]] = {}
+    for s in symtab.iter_symbols():
+        if s["st_info"]["type"] == "STT_FUNC" and s.name:
+            names.setdefault(s["st_value"], set()).add(s.name)
+    return names
+
+
+def _check_init(elf: ELFFile, filename: str, names: dict[int, set[str]] | None) -> None:
     for secname, allowed in ((".init_array", ALLOWED_INIT), (".fini_array", ALLOWED_FINI),
                              (".preinit_array", frozenset()), (".ctors", None), (".dtors", None)):
         sec = elf.get_section_by_name(secname)
@@ -111,8 +116,9 @@ def _check_init(elf: ELFFile, filename: str) -> None:
             raise OpLoadError(f"{filename}: {kind} is not allowed in an op library")
 
 
-def check(data: bytes, filename: str = "<oplib>") -> None:
-    """Every check made before the library is mapped (see the module doc)."""
+def check(data: bytes, filename: str = "<oplib>") -> dict[int, set[str]]:
+    """Every check made before the library is mapped (see the module doc).
+    Returns the library's function names by address (for naming its ops)."""
     buf = bytes(data)
     if len(buf) < 64 or buf[:4] != ELF_MAGIC:
         raise OpLoadError(f"{filename}: not an ELF file")
@@ -135,8 +141,9 @@ def check(data: bytes, filename: str = "<oplib>") -> None:
                 defined.add(sym.name)
         dyn = elf.get_section_by_name(".dynamic")
         needed = [t.needed for t in dyn.iter_tags("DT_NEEDED")] if dyn is not None else []
+        functions = _functions(elf)
         if machine == "EM_X86_64" and etype == "ET_DYN" and not interp:
-            _check_init(elf, filename)
+            _check_init(elf, filename, functions)
     except (OpLoadError, OpSymbolError):
         raise
     except Exception as e:  # pyelftools reports corrupt input with assorted exception types
@@ -160,6 +167,7 @@ def check(data: bytes, filename: str = "<oplib>") -> None:
     if INIT_SYMBOL not in defined:
         raise OpSymbolError(INIT_SYMBOL, f"{filename}: no exported {INIT_SYMBOL}() (declare it extern \"C\" "
                                          "and register the ops there)")
+    return functions or {}
 
 
 # ------------------------------------------------------------------ the runtime shim
@@ -184,7 +192,7 @@ def shim() -> ctypes.CDLL:
         lib.dspx_rt_collect_begin.argtypes, lib.dspx_rt_collect_begin.restype = [], None
         lib.dspx_rt_collect_end.argtypes = [I, P, P, P, ctypes.c_char_p, I]
         lib.dspx_rt_collect_end.restype = I
-        lib.dspx_rt_symbol_name.argtypes, lib.dspx_rt_symbol_name.restype = [P, ctypes.c_char_p, I], None
+        lib.dspx_rt_symbol_name.argtypes, lib.dspx_rt_symbol_name.restype = [P, ctypes.c_char_p, I], U64
         _shim = lib
     return _shim
 
@@ -277,6 +285,8 @@ def _probe(path: str, filename: str) -> None:
     if pid == 0:  # the child: never returns
         code = 0
         try:
+            import faulthandler
+            faulthandler.disable()  # a crash here is the expected answer, not news for the log
             signal.signal(signal.SIGALRM, signal.SIG_DFL)  # ends the child even inside native code
             signal.alarm(PROBE_TIMEOUT_S)
             lib = ctypes.CDLL(path)
@@ -311,7 +321,7 @@ class NativeLibrary:
 
     def __init__(self, data: bytes, filename: str = "<oplib>", *, probe: bool = True,
                  names: dict[int, str] | None = None):
-        check(data, filename)
+        functions = check(data, filename)
         rt = shim()
         self.filename = filename
         self._fd = os.memfd_create("dspx-oplib", os.MFD_CLOEXEC)
@@ -348,9 +358,9 @@ class NativeLibrary:
             self.ops = []
             name = ctypes.create_string_buffer(256)
             for i in range(n):
-                rt.dspx_rt_symbol_name(fns[i], name, len(name))
-                label = (names or {}).get(cmds[i]) or _demangle(name.value.decode(errors="replace")) \
-                    or f"op_{cmds[i]:x}"
+                offset = rt.dspx_rt_symbol_name(fns[i], name, len(name))
+                symbol = name.value.decode(errors="replace") or min(functions.get(offset, ()), default="")
+                label = (names or {}).get(cmds[i]) or _demangle(symbol) or f"op_{cmds[i]:x}"
                 self.ops.append((cmds[i], NativeOp(self, fns[i], label), lats[i]))
         except BaseException:
             self.close()

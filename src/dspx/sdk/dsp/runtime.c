@@ -200,12 +200,16 @@ DSPX_EXPORT int dspx_rt_collect_end(int max, int *cmds, void **fns, int *lats, c
     return nregs;
 }
 
-/* The exported name of a handler, when it has one ("" otherwise). */
-DSPX_EXPORT void dspx_rt_symbol_name(void *fn, char *buf, int cap) {
+/* The exported name of a handler, when it has one ("" otherwise); returns
+ * its offset in its library (for names only the symbol table knows). */
+DSPX_EXPORT uint64_t dspx_rt_symbol_name(void *fn, char *buf, int cap) {
     Dl_info info;
     buf[0] = 0;
-    if (dladdr(fn, &info) && info.dli_sname != NULL && info.dli_saddr == fn)
+    if (!dladdr(fn, &info))
+        return 0;
+    if (info.dli_sname != NULL && info.dli_saddr == fn)
         snprintf(buf, (size_t)cap, "%s", info.dli_sname);
+    return (uint64_t)((uintptr_t)fn - (uintptr_t)info.dli_fbase);
 }
 
 /* ------------------------------------------------------------ memory */
