@@ -4,14 +4,16 @@
 // functions are here as it lists them but for one fix (marked dspx:).
 // What differs from the seed's hb_dsp_softmax, as firmware must:
 //  * the parameter struct and buffer sizes are checked (ERR_SIZE/ERR_INVALID);
-//  * sums are taken per 1024 floats by the seed's vecsum and added in
-//    double (the seed's 32 float lanes drift past 1e-6 on millions of
-//    floats); both paths cut the same blocks, so they agree bit for bit;
-//  * the ping-pong max starts at -inf (the seed's 0 is wrong for inputs
-//    below -88), and a non-finite max gives NaN everywhere, like numpy.
+//  * exp and sum go a block of 1024 floats at a time, the sum by the seed's
+//    vecsum and added in double: one pass over DDR fewer, and no drift past
+//    1e-6 (the seed's 32 float lanes drift on millions of floats);
+//  * the ping-pong takes two frames, not three (see softmax_ping_pong);
+//  * a non-finite max gives NaN everywhere, like numpy.
 #include <dspx/dsp.h>
 
+#ifndef BUILTIN_TILE_SIZE
 #define BUILTIN_TILE_SIZE (256 * 1024)
+#endif
 #define SUM_BLOCK 1024
 #define ST_INVALID (-2)
 #define ST_NOMEM (-3)
@@ -269,10 +271,15 @@ static void vecmul(float32_t *z, const float32_t *x1, const float32_t x2,
 }
 
 
-static double vecsum_blocked(const float32_t *x, int32_t N) {
+/* exp(x - max) into z, and its sum: a block at a time, each summed by the
+ * seed's vecsum while still in L1 and added in double. */
+static double vecexpf_sum(float32_t *z, const float32_t *x, int32_t N, float32_t max_value) {
   double total = 0;
-  for (int32_t i = 0; i < N; i += SUM_BLOCK)
-    total += vecsum(x + i, XT_MIN(SUM_BLOCK, N - i));
+  for (int32_t i = 0; i < N; i += SUM_BLOCK) {
+    int32_t n = XT_MIN(SUM_BLOCK, N - i);
+    vecexpf_max(z + i, x + i, n, max_value);
+    total += vecsum(z + i, n);
+  }
   return total;
 }
 
@@ -286,33 +293,39 @@ static int32_t dsp_softmax(float32_t *input, int32_t length, float32_t *output) 
     fill_nan(output, length);
     return 0;
   }
-  vecexpf_max(output, input, length, max_value);
-  double sum = vecsum_blocked(output, length);
+  double sum = vecexpf_sum(output, input, length, max_value);
   vecmul(output, output, (float32_t)(1.0 / sum), length);
   return 0;
 }
 
+/* Ping-pong in two frames (the seed takes three: max, exp & sum, mul).
+ * Frame 1 fetches a tile, takes its own max m_t, writes exp(x - m_t) back
+ * and keeps m_t and the tile's sum s_t; frame 2 scales each tile by
+ * exp(m_t - M) / S, with M the largest m_t and S = sum of s_t exp(m_t - M).
+ * DDR sees 2 reads and 2 writes instead of 3 and 2, and exp runs once. */
 struct tile_state {
-  float32_t max;
-  double sum;
-  float32_t scale;
+  float32_t *max_t;  /* per tile, in an L2 tile of its own */
+  double *sum_t;
+  int32_t k;         /* the tile being computed */
+  int nan_seen;
 };
 
 typedef void (*tile_fn)(float32_t *out, float32_t *in, int32_t size, struct tile_state *st);
 
-static void tile_max(float32_t *out, float32_t *in, int32_t size, struct tile_state *st) {
-  (void)out;
+static void tile_exp_sum(float32_t *out, float32_t *in, int32_t size, struct tile_state *st) {
   float32_t m = vecmaxf(in, size);
-  st->max = m > st->max || isnan(m) ? m : st->max;
+  if (m == minus_inff_.f) { /* only -inf (a zero share) or NaN (all NaN) here */
+    st->nan_seen |= isnan(vecsum(in, size));
+    memset(out, 0, (size_t)size * sizeof(float32_t));
+    st->sum_t[st->k] = 0;
+  } else {
+    st->sum_t[st->k] = vecexpf_sum(out, in, size, m);
+  }
+  st->max_t[st->k++] = m;
 }
 
-static void tile_sum(float32_t *out, float32_t *in, int32_t size, struct tile_state *st) {
-  vecexpf_max(out, in, size, st->max);
-  st->sum += vecsum_blocked(out, size);
-}
-
-static void tile_mul(float32_t *out, float32_t *in, int32_t size, struct tile_state *st) {
-  vecmul(out, in, st->scale, size);
+static void tile_scale(float32_t *out, float32_t *in, int32_t size, struct tile_state *st) {
+  vecmul(out, in, (float32_t)st->sum_t[st->k++], size);
 }
 
 /* The seed's hb_dsp_ping_pong_frame: fetch tile k+1 into one bank while
@@ -363,22 +376,33 @@ static int32_t ping_pong_frame(float32_t *dst, float32_t *src, void *src_idma[],
 }
 
 static int32_t softmax_ping_pong(float32_t *src, float32_t *dst, int32_t length, xvTileManager *tm) {
+  int32_t ntiles = (length + (BUILTIN_TILE_SIZE >> 2) - 1) / (BUILTIN_TILE_SIZE >> 2);
   float32_t *src_0 = (float32_t *)xvAllocateBuffer(tm, BUILTIN_TILE_SIZE, XV_MEM_BANK_COLOR_0, IVP_2N);
   float32_t *src_1 = (float32_t *)xvAllocateBuffer(tm, BUILTIN_TILE_SIZE, XV_MEM_BANK_COLOR_1, IVP_2N);
-  if (src_0 == NULL || src_1 == NULL) return ST_NOMEM;
+  uint8_t *stats = (uint8_t *)xvAllocateBuffer(tm, ntiles * 12, XV_MEM_BANK_COLOR_0, 8);
+  int32_t ret = src_0 && src_1 && stats ? 0 : ST_NOMEM;
   void *src_idma[] = {src_0, src_1};
   void *dst_idma[] = {src_0, src_1};
-  struct tile_state st = {minus_inff_.f, 0.0, 0.0f};
-  int32_t ret = ping_pong_frame(dst, src, src_idma, dst_idma, length, tile_max, &st, false);
-  if (ret == 0 && !isfinite(st.max)) {
-    fill_nan(dst, length);
-  } else if (ret == 0) {
-    ret = ping_pong_frame(dst, src, src_idma, dst_idma, length, tile_sum, &st, true);
-    st.scale = (float32_t)(1.0 / st.sum);
-    if (ret == 0) ret = ping_pong_frame(dst, dst, src_idma, dst_idma, length, tile_mul, &st, true);
+  struct tile_state st = {(float32_t *)(stats + ntiles * 8), (double *)stats, 0, 0};
+  if (ret == 0) ret = ping_pong_frame(dst, src, src_idma, dst_idma, length, tile_exp_sum, &st, true);
+  if (ret == 0) {
+    float32_t M = minus_inff_.f;
+    for (int32_t k = 0; k < ntiles; k++) M = XT_MAX(M, st.max_t[k]);
+    if (!isfinite(M) || st.nan_seen) {
+      fill_nan(dst, length);
+    } else {
+      double S = 0;
+      for (int32_t k = 0; k < ntiles; k++)
+        if (st.max_t[k] != minus_inff_.f) S += st.sum_t[k] * exp((double)st.max_t[k] - M);
+      for (int32_t k = 0; k < ntiles; k++) /* sum_t now holds each tile's scale */
+        st.sum_t[k] = st.max_t[k] == minus_inff_.f ? 0.0 : exp((double)st.max_t[k] - M) / S;
+      st.k = 0;
+      ret = ping_pong_frame(dst, dst, src_idma, dst_idma, length, tile_scale, &st, true);
+    }
   }
-  xvFreeBuffer(tm, src_0);
-  xvFreeBuffer(tm, src_1);
+  if (stats) xvFreeBuffer(tm, stats);
+  if (src_1) xvFreeBuffer(tm, src_1);
+  if (src_0) xvFreeBuffer(tm, src_0);
   return ret;
 }
 

@@ -14,6 +14,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <time.h>
@@ -31,6 +32,10 @@ enum { ST_INVALID = -2, ST_NOMEM = -3, ST_TIMEOUT = -5, ST_ADDR = -6 };
 #define QCAP 64
 #define TEXT_CAP (256 << 10)
 #define DMA_TIMEOUT_S 10
+/* A DMA worker out of work, and a waiter whose copies are nearly done, poll
+ * this long before sleeping: a futex wake-up costs tens of microseconds,
+ * once per tile per frame, which would swamp a ping-pong over small tiles. */
+#define SPIN_NS 200000
 #define DSPX_EXPORT __attribute__((visibility("default")))
 
 struct region { uint64_t dsp, size; uint8_t *host; };
@@ -381,6 +386,27 @@ DSPX_EXPORT int32_t xvFreeBuffer(xvTileManager *tm, void const *buf) {
 
 /* ------------------------------------------------------------ DMA */
 
+#define LOAD(x) __atomic_load_n(&(x), __ATOMIC_ACQUIRE)
+#define STORE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELEASE)
+
+/* Poll until *a != *b (or stop, if given) for at most SPIN_NS; 1 if it happened. */
+static int spin_until_differs(const uint64_t *a, const uint64_t *b, const int *stop) {
+    uint64_t t0 = 0;
+    for (unsigned k = 0;; k++) {
+        if (LOAD(*a) != LOAD(*b) || (stop != NULL && LOAD(*stop)))
+            return 1;
+        if ((k & 63) == 63) {
+            uint64_t now = dspx_cycles();
+            if (t0 == 0)
+                t0 = now;
+            else if (now - t0 > SPIN_NS)
+                return 0;
+            sched_yield(); /* two CPUs may host compute and both channels */
+        }
+        __builtin_ia32_pause();
+    }
+}
+
 /* Where [p, p+n) may be copied: a live tile (its offset in *tile), a task
  * buffer, or the task's input/output.  0 if allowed. */
 static int dma_range_ok(struct dspx_ctx *c, const uint8_t *p, size_t n, int *tile, size_t *tile_off,
@@ -424,7 +450,7 @@ static int32_t submit(struct dspx_ctx *c, int32_t chn, const struct job *jb) {
     }
     uint64_t ticket = ch->submitted;
     ch->q[ticket % QCAP] = *jb;
-    ch->submitted++;
+    STORE(ch->submitted, ticket + 1);
     pthread_cond_broadcast(&ch->cv);
     pthread_mutex_unlock(&ch->mu);
     return (int32_t)(ticket & 0x7fffffff);
@@ -450,6 +476,12 @@ DSPX_EXPORT int32_t dspx_idma_copy(int32_t chn, const void *src, void *dst, int3
 
 static int32_t wait_channel(struct dspx_ctx *c, int32_t chn) {
     struct channel *ch = &c->ch[chn];
+    uint64_t target = LOAD(ch->submitted);
+    if (LOAD(ch->done) != target) {
+        uint64_t t0 = dspx_cycles();
+        while (LOAD(ch->done) != target && dspx_cycles() - t0 < SPIN_NS)
+            __builtin_ia32_pause();
+    }
     struct timespec dl;
     clock_gettime(CLOCK_REALTIME, &dl);
     dl.tv_sec += DMA_TIMEOUT_S;
@@ -511,24 +543,29 @@ static void run_strided(const struct job *jb) {
 
 static void *dma_worker(void *arg) {
     struct channel *ch = arg;
-    pthread_mutex_lock(&ch->mu);
     for (;;) {
-        while (ch->done == ch->submitted && !ch->stop)
-            pthread_cond_wait(&ch->cv, &ch->mu);
-        if (ch->done == ch->submitted)
-            break;
-        struct job jb = ch->q[ch->done % QCAP];
-        pthread_mutex_unlock(&ch->mu);
+        if (!spin_until_differs(&ch->submitted, &ch->done, &ch->stop)) {
+            pthread_mutex_lock(&ch->mu);
+            while (ch->done == ch->submitted && !ch->stop)
+                pthread_cond_wait(&ch->cv, &ch->mu);
+            pthread_mutex_unlock(&ch->mu);
+        }
+        uint64_t next = LOAD(ch->done);
+        if (next == LOAD(ch->submitted)) {
+            if (LOAD(ch->stop))
+                return NULL;
+            continue;
+        }
+        struct job jb = ch->q[next % QCAP]; /* written before submitted was released */
         if (jb.strided)
             run_strided(&jb);
         else
             memcpy(jb.dst, jb.src, jb.n);
         pthread_mutex_lock(&ch->mu);
-        ch->done++;
+        STORE(ch->done, next + 1);
         pthread_cond_broadcast(&ch->cv);
+        pthread_mutex_unlock(&ch->mu);
     }
-    pthread_mutex_unlock(&ch->mu);
-    return NULL;
 }
 
 /* ------------------------------------------------------------ C7x-style auto-increment */
@@ -674,7 +711,7 @@ DSPX_EXPORT void dspx_rt_free(struct dspx_ctx *c) {
     for (int k = 0; k < DSPX_DMA_CHANNELS; k++) {
         struct channel *ch = &c->ch[k];
         pthread_mutex_lock(&ch->mu);
-        ch->stop = 1;
+        STORE(ch->stop, 1);
         pthread_cond_broadcast(&ch->cv);
         pthread_mutex_unlock(&ch->mu);
         pthread_join(ch->thread, NULL);
