@@ -7,14 +7,15 @@
 //  * exp and sum go a block of 1024 floats at a time, the sum by the seed's
 //    vecsum and added in double: one pass over DDR fewer, and no drift past
 //    1e-6 (the seed's 32 float lanes drift on millions of floats);
-//  * the ping-pong takes two frames, not three (see softmax_ping_pong);
-//  * a non-finite max gives NaN everywhere, like numpy.
+//  * the ping-pong max starts at -inf (the seed's 0 is wrong for inputs
+//    below -88), and a non-finite max gives NaN everywhere, like numpy.
 #include <dspx/dsp.h>
 
 #ifndef BUILTIN_TILE_SIZE
 #define BUILTIN_TILE_SIZE (256 * 1024)
 #endif
 #define SUM_BLOCK 1024
+
 #define ST_INVALID (-2)
 #define ST_NOMEM (-3)
 #define ST_SIZE (-7)
@@ -298,34 +299,29 @@ static int32_t dsp_softmax(float32_t *input, int32_t length, float32_t *output) 
   return 0;
 }
 
-/* Ping-pong in two frames (the seed takes three: max, exp & sum, mul).
- * Frame 1 fetches a tile, takes its own max m_t, writes exp(x - m_t) back
- * and keeps m_t and the tile's sum s_t; frame 2 scales each tile by
- * exp(m_t - M) / S, with M the largest m_t and S = sum of s_t exp(m_t - M).
- * DDR sees 2 reads and 2 writes instead of 3 and 2, and exp runs once. */
+/* Ping-pong in the seed's three frames: the max; exp(x - max) and its sum
+ * (per 1 KiB block, as in the direct path), written back; the scaling.
+ * Both paths compute every element with the same operations, so they
+ * agree bit for bit. */
 struct tile_state {
-  float32_t *max_t;  /* per tile, in an L2 tile of its own */
-  double *sum_t;
-  int32_t k;         /* the tile being computed */
-  int nan_seen;
+  float32_t max;
+  double sum;
+  float32_t scale;
 };
 
 typedef void (*tile_fn)(float32_t *out, float32_t *in, int32_t size, struct tile_state *st);
 
+static void tile_max(float32_t *out, float32_t *in, int32_t size, struct tile_state *st) {
+  (void)out;
+  st->max = XT_MAX(st->max, vecmaxf(in, size));
+}
+
 static void tile_exp_sum(float32_t *out, float32_t *in, int32_t size, struct tile_state *st) {
-  float32_t m = vecmaxf(in, size);
-  if (m == minus_inff_.f) { /* only -inf (a zero share) or NaN (all NaN) here */
-    st->nan_seen |= isnan(vecsum(in, size));
-    memset(out, 0, (size_t)size * sizeof(float32_t));
-    st->sum_t[st->k] = 0;
-  } else {
-    st->sum_t[st->k] = vecexpf_sum(out, in, size, m);
-  }
-  st->max_t[st->k++] = m;
+  st->sum += vecexpf_sum(out, in, size, st->max);
 }
 
 static void tile_scale(float32_t *out, float32_t *in, int32_t size, struct tile_state *st) {
-  vecmul(out, in, (float32_t)st->sum_t[st->k++], size);
+  vecmul(out, in, st->scale, size);
 }
 
 /* The seed's hb_dsp_ping_pong_frame: fetch tile k+1 into one bank while
@@ -376,31 +372,20 @@ static int32_t ping_pong_frame(float32_t *dst, float32_t *src, void *src_idma[],
 }
 
 static int32_t softmax_ping_pong(float32_t *src, float32_t *dst, int32_t length, xvTileManager *tm) {
-  int32_t ntiles = (length + (BUILTIN_TILE_SIZE >> 2) - 1) / (BUILTIN_TILE_SIZE >> 2);
   float32_t *src_0 = (float32_t *)xvAllocateBuffer(tm, BUILTIN_TILE_SIZE, XV_MEM_BANK_COLOR_0, IVP_2N);
   float32_t *src_1 = (float32_t *)xvAllocateBuffer(tm, BUILTIN_TILE_SIZE, XV_MEM_BANK_COLOR_1, IVP_2N);
-  uint8_t *stats = (uint8_t *)xvAllocateBuffer(tm, ntiles * 12, XV_MEM_BANK_COLOR_0, 8);
-  int32_t ret = src_0 && src_1 && stats ? 0 : ST_NOMEM;
+  int32_t ret = src_0 && src_1 ? 0 : ST_NOMEM;
   void *src_idma[] = {src_0, src_1};
   void *dst_idma[] = {src_0, src_1};
-  struct tile_state st = {(float32_t *)(stats + ntiles * 8), (double *)stats, 0, 0};
-  if (ret == 0) ret = ping_pong_frame(dst, src, src_idma, dst_idma, length, tile_exp_sum, &st, true);
-  if (ret == 0) {
-    float32_t M = minus_inff_.f;
-    for (int32_t k = 0; k < ntiles; k++) M = XT_MAX(M, st.max_t[k]);
-    if (!isfinite(M) || st.nan_seen) {
-      fill_nan(dst, length);
-    } else {
-      double S = 0;
-      for (int32_t k = 0; k < ntiles; k++)
-        if (st.max_t[k] != minus_inff_.f) S += st.sum_t[k] * exp((double)st.max_t[k] - M);
-      for (int32_t k = 0; k < ntiles; k++) /* sum_t now holds each tile's scale */
-        st.sum_t[k] = st.max_t[k] == minus_inff_.f ? 0.0 : exp((double)st.max_t[k] - M) / S;
-      st.k = 0;
-      ret = ping_pong_frame(dst, dst, src_idma, dst_idma, length, tile_scale, &st, true);
-    }
+  struct tile_state st = {minus_inff_.f, 0.0, 0.0f};
+  if (ret == 0) ret = ping_pong_frame(dst, src, src_idma, dst_idma, length, tile_max, &st, false);
+  if (ret == 0 && !isfinite(st.max)) {
+    fill_nan(dst, length);
+  } else if (ret == 0) {
+    ret = ping_pong_frame(dst, src, src_idma, dst_idma, length, tile_exp_sum, &st, true);
+    st.scale = (float32_t)(1.0 / st.sum);
+    if (ret == 0) ret = ping_pong_frame(dst, dst, src_idma, dst_idma, length, tile_scale, &st, true);
   }
-  if (stats) xvFreeBuffer(tm, stats);
   if (src_1) xvFreeBuffer(tm, src_1);
   if (src_0) xvFreeBuffer(tm, src_0);
   return ret;
