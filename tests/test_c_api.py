@@ -281,6 +281,20 @@ def test_build_is_cached_libc_only_and_has_a_pkgconfig(sdk, tmp_path):
     assert "libstdc++" not in needed and "libdspx.so" in needed
 
 
+def test_dspx_sdk_cflags_libs_builds_the_examples(sdk, tmp_path):
+    """What docs/c-api.md says: `c++ prog.cc $(dspx sdk --cflags --libs)`."""
+    import sys
+
+    flags = subprocess.run([str(Path(sys.executable).parent / "dspx"), "sdk", "--cflags", "--libs"],
+                           capture_output=True, text=True, timeout=300)
+    assert flags.returncode == 0, flags.stderr
+    for src in (ROOT / "examples" / "cpp" / "resnet18.cc", ROOT / "examples" / "ucp_c" / "softmax_host.cc"):
+        r = subprocess.run(["c++", "-std=c++17", "-Wno-sign-compare", "-Wno-unused-parameter", str(src),
+                            *flags.stdout.split(), "-o", str(tmp_path / src.stem)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and not r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("lang", ["c", "c++"])
 def test_every_header_compiles_from_c_and_cxx_pedantic(sdk, tmp_path, lang):
     headers = ["c7x_client.h", "hb_ucp.h", "hb_dsp.h", "dlpack/dlpack.h", "dspx_wire.h"]

@@ -163,7 +163,10 @@ def libs() -> str:
     """Linker flags: one string for C and C++ programs (``--as-needed`` drops
     libdspx++ and so libstdc++ from a C program that does not use c7x::Module)."""
     d = build()
-    return f"-L{d} -Wl,-rpath,{d} -Wl,--as-needed -ldspx++ -ldspx -Wl,--no-as-needed"
+    # -I of the generated dspx_wire.h too: `dspx sdk --cflags` prints the
+    # source include dir only, and `$(dspx sdk --cflags --libs)` must build
+    # (the compiler driver takes -I anywhere; a link-only step ignores it).
+    return f"-I{d}/include -L{d} -Wl,-rpath,{d} -Wl,--as-needed -ldspx++ -ldspx -Wl,--no-as-needed"
 
 
 def cli_path() -> Path:
