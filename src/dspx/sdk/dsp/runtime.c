@@ -14,7 +14,6 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <time.h>
@@ -32,10 +31,11 @@ enum { ST_INVALID = -2, ST_NOMEM = -3, ST_TIMEOUT = -5, ST_ADDR = -6 };
 #define QCAP 64
 #define TEXT_CAP (256 << 10)
 #define DMA_TIMEOUT_S 10
-/* A DMA worker out of work, and a waiter whose copies are nearly done, poll
- * this long before sleeping: a futex wake-up costs tens of microseconds,
- * once per tile per frame, which would swamp a ping-pong over small tiles. */
-#define SPIN_NS 200000
+/* A waiter whose copies are not done yet polls this long before sleeping: a
+ * futex wake-up costs tens of microseconds, once per tile per frame.  (The
+ * workers do not poll: their wake-up hides behind the tile being computed,
+ * and on a busy host polling threads only steal the compute thread's CPU.) */
+#define SPIN_NS 100000
 #define DSPX_EXPORT __attribute__((visibility("default")))
 
 struct region { uint64_t dsp, size; uint8_t *host; };
@@ -389,24 +389,6 @@ DSPX_EXPORT int32_t xvFreeBuffer(xvTileManager *tm, void const *buf) {
 #define LOAD(x) __atomic_load_n(&(x), __ATOMIC_ACQUIRE)
 #define STORE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELEASE)
 
-/* Poll until *a != *b (or stop, if given) for at most SPIN_NS; 1 if it happened. */
-static int spin_until_differs(const uint64_t *a, const uint64_t *b, const int *stop) {
-    uint64_t t0 = 0;
-    for (unsigned k = 0;; k++) {
-        if (LOAD(*a) != LOAD(*b) || (stop != NULL && LOAD(*stop)))
-            return 1;
-        if ((k & 63) == 63) {
-            uint64_t now = dspx_cycles();
-            if (t0 == 0)
-                t0 = now;
-            else if (now - t0 > SPIN_NS)
-                return 0;
-            sched_yield(); /* two CPUs may host compute and both channels */
-        }
-        __builtin_ia32_pause();
-    }
-}
-
 /* Where [p, p+n) may be copied: a live tile (its offset in *tile), a task
  * buffer, or the task's input/output.  0 if allowed. */
 static int dma_range_ok(struct dspx_ctx *c, const uint8_t *p, size_t n, int *tile, size_t *tile_off,
@@ -544,12 +526,10 @@ static void run_strided(const struct job *jb) {
 static void *dma_worker(void *arg) {
     struct channel *ch = arg;
     for (;;) {
-        if (!spin_until_differs(&ch->submitted, &ch->done, &ch->stop)) {
-            pthread_mutex_lock(&ch->mu);
-            while (ch->done == ch->submitted && !ch->stop)
-                pthread_cond_wait(&ch->cv, &ch->mu);
-            pthread_mutex_unlock(&ch->mu);
-        }
+        pthread_mutex_lock(&ch->mu);
+        while (ch->done == ch->submitted && !ch->stop)
+            pthread_cond_wait(&ch->cv, &ch->mu);
+        pthread_mutex_unlock(&ch->mu);
         uint64_t next = LOAD(ch->done);
         if (next == LOAD(ch->submitted)) {
             if (LOAD(ch->stop))
