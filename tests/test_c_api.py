@@ -631,6 +631,19 @@ def test_c7x_compute_cli_runs_a_module_and_says_json(sdk, shared_device, compile
     assert ping["count"] == 20 and ping["median_us"] > 0
     bad = run(cli, "run", d, "--input", tmp_path / "x0.bin", socket_path=shared_device.path)
     assert bad.proc.returncode == 1 and "takes 7 inputs, got 1" in json.loads(bad.proc.stdout)["error"]
+    # c7x::Module with a separate weights file (MODEL_LOAD) and 7 outputs (descriptors through output_buf)
+    d = compiled("multi_output", separate=True)
+    meta = json.loads((d / "metadata.json").read_text())
+    assert meta["weights"]["file"]
+    x = random_inputs(meta, seed=6)
+    x[0].tofile(tmp_path / "m.bin")
+    r = run(cli, "run", d, "--input", tmp_path / "m.bin", "--output", tmp_path / "m", socket_path=shared_device.path)
+    assert r.proc.returncode == 0, r.proc.stdout + r.proc.stderr
+    res = json.loads(r.proc.stdout)
+    ref = _ort(example_onnx["multi_output"], meta, x)
+    assert [o["name"] for o in res["outputs"]] == [m["name"] for m in meta["outputs"]]
+    for o, want in zip(res["outputs"], ref):
+        np.testing.assert_allclose(np.fromfile(o["file"], o["dtype"]).reshape(want.shape), want, rtol=0, atol=TOL)
     nodev = run(cli, "ping", socket_path=tmp_path / "none.sock")
     assert nodev.proc.returncode == 1 and json.loads(nodev.proc.stdout)["code"] == -errno.ECONNREFUSED
 
