@@ -186,6 +186,17 @@ def test_idma_misuse_is_err_invalid(dev, mode, text):
     assert "DmaError" in r.printf and text in r.printf
 
 
+def test_idma_copies_run_while_the_handler_computes(dev):
+    n = 512 << 10
+    dev.data[:n] = np.arange(n) % 253 + 1  # the last byte differs from the output's 0
+    dev.out[:] = 0
+    r = dev.run(0x500d, DATA_ADDR, n)
+    assert (r.status, r.return_value) == (0, 0), r.printf
+    submitted, landed, wait_called = struct.unpack_from("<3Q", dev.mm[OUT_ADDR], n)
+    assert submitted < landed < wait_called  # the copy finished with nobody waiting for it
+    assert np.array_equal(dev.out[:n], dev.data[:n])
+
+
 # ------------------------------------------------------------------ C7x-style auto-increment transfers
 
 def autoinc(dev, src_off, sync, scnt, sdim, dcnt, ddim, out_bytes, tile=False):

@@ -195,6 +195,33 @@ static int op_flood(void *input, void *output, void *tm) {
     return 0;
 }
 
+/* 0x500d: queue a copy of [addr, addr+size) into the output, then compute
+ * (poll the destination's last byte) without waiting; output after the
+ * data: the cycle stamps of the copy's submission, of seeing its last byte
+ * land, and of the IDMA_WAIT call. */
+static int op_overlap(void *input, void *output, void *tm) {
+    (void)tm;
+    struct args *a = input;
+    uint8_t *src = hb_dsp_mem_map(a->addr, a->size);
+    if (src == MAP_FAILED)
+        return HB_ERR_MMAP_FAILED;
+    volatile uint8_t *dst = output;
+    uint64_t *stamps = (uint64_t *)((uint8_t *)output + a->size);
+    int32_t ret;
+    stamps[0] = dspx_cycles();
+    IDMA_COPY(HB_IDMA_CH0, ret, src, output, a->size)
+    if (ret < 0) return ret;
+    stamps[1] = 0;
+    while (dspx_cycles() - stamps[0] < 2000000000u)
+        if (dst[a->size - 1] == src[a->size - 1]) {
+            stamps[1] = dspx_cycles();
+            break;
+        }
+    stamps[2] = dspx_cycles();
+    IDMA_WAIT(HB_IDMA_CH0, ret)
+    return ret;
+}
+
 int dspx_ops_init(void) {
     int rc = 0;
     rc |= hb_dsp_register_fn(0x5001, op_map, 0);
@@ -209,5 +236,6 @@ int dspx_ops_init(void) {
     rc |= hb_dsp_register_fn(0x500a, op_nop, 0);
     rc |= hb_dsp_register_fn(0x500b, op_ret, 0);
     rc |= hb_dsp_register_fn(0x500c, op_flood, 0);
+    rc |= hb_dsp_register_fn(0x500d, op_overlap, 0);
     return rc;
 }
