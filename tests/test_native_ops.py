@@ -18,7 +18,7 @@ import scipy.special
 
 from dspx import sdk
 from dspx.abi.protocol import Status
-from dspx.device.core import builtin_ops, native, ops, runtime as rt
+from dspx.device.core import builtin_ops, ops, runtime as rt
 from dspx.device.core.errors import OpBusy, OpLoadError, OpSymbolError, UnknownLibrary
 from dspx.memory import L2_SIZE, AddressSpace, Region
 
