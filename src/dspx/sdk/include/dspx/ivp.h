@@ -152,34 +152,42 @@ DSPX_INLINE dspx_v16f dspx_self(dspx_v16i m, dspx_v16f a, dspx_v16f b) {
 DSPX_INLINE dspx_v16i dspx_seli(dspx_v16i m, dspx_v16i a, dspx_v16i b) { return (m & a) | (~m & b); }
 DSPX_INLINE int32_t dspx_clamp64(intptr_t n) { return n < 0 ? 0 : n > 64 ? 64 : (int32_t)n; }
 
+/* Unaligned whole-vector accesses (one vmovups). */
+typedef float dspx_v16f_u __attribute__((vector_size(64), aligned(1), may_alias));
+
 /* A full 64-byte load.  One that starts a page or crosses into the next
  * may be an over-read past the end of a buffer (the hardware reads ahead
  * harmlessly; here the next page may be unmapped): those few go through
  * the runtime, which reads only what lies inside known memory. */
-DSPX_INLINE dspx_v16f dspx_load64(const void *p) {
+__attribute__((noinline, unused)) static dspx_v16f dspx_load64_guarded(const void *p) {
     dspx_v16f v;
+    dspx_ivp_guarded_load(p, &v, 64);
+    return v;
+}
+DSPX_INLINE dspx_v16f dspx_load64(const void *p) {
     uintptr_t off = (uintptr_t)p & 4095;
     if (__builtin_expect(off == 0 || off > 4096 - 64, 0))
-        dspx_ivp_guarded_load(p, &v, 64);
-    else
-        memcpy(&v, p, 64);
+        return dspx_load64_guarded(p);
+    return *(const dspx_v16f_u *)p;
+}
+__attribute__((noinline, unused)) static dspx_v16f dspx_loadn_tail(const void *p, int32_t k) {
+    dspx_v16f v = {};
+    memcpy(&v, p, (size_t)k);
     return v;
 }
 DSPX_INLINE dspx_v16f dspx_loadn(const void *p, int32_t k) {
-    dspx_v16f v;
-    if (__builtin_expect(k == 64, 1)) {
-        memcpy(&v, p, 64);
-    } else {
-        v = (dspx_v16f){};
-        memcpy(&v, p, (size_t)k);
-    }
-    return v;
+    if (__builtin_expect(k == 64, 1))
+        return *(const dspx_v16f_u *)p;
+    return dspx_loadn_tail(p, k);
+}
+__attribute__((noinline, unused)) static void dspx_storen_tail(void *p, dspx_v16f v, int32_t k) {
+    memcpy(p, &v, (size_t)k);
 }
 DSPX_INLINE void dspx_storen(void *p, dspx_v16f v, int32_t k) {
     if (__builtin_expect(k == 64, 1))
-        memcpy(p, &v, 64);
+        *(dspx_v16f_u *)p = v;
     else
-        memcpy(p, &v, (size_t)k);
+        dspx_storen_tail(p, v, k);
 }
 #define DSPX_ADVANCE(p, n) ((p) = (__typeof__(p))((const char *)(p) + (n)))
 
