@@ -14,7 +14,9 @@
 #ifndef BUILTIN_TILE_SIZE
 #define BUILTIN_TILE_SIZE (256 * 1024)
 #endif
+#ifndef SUM_BLOCK
 #define SUM_BLOCK 1024
+#endif
 
 #define ST_INVALID (-2)
 #define ST_NOMEM (-3)
