@@ -104,88 +104,71 @@ def worker(kind: str, target: str, threads: int) -> None:
         print(json.dumps(ts), flush=True)
 
 
-# ------------------------------------------------------------------ breakdown of one device call
-# Timestamps (time.perf_counter: CLOCK_MONOTONIC, comparable across processes)
-# taken by wrappers around the front and core entry points, in processes of
-# their own; the device code itself is not changed.
-TS_ENV = "DSPX_BENCH_TS"
+TS_ENV = "DSPX_BENCH_TS"  # --breakdown: where the instrumented front and core log their stamps
 
 
 def core_worker(argv) -> None:
-    from dspx.device.core import inference, worker as core
+    """A core whose call path logs (t_in, entry start, entry end, t_out) per call."""
+    from dspx.device.core import loader, worker
 
-    run, recv = inference.run, core.jobs.recv
+    log = open(os.environ[TS_ENV] + ".core", "w", buffering=1)
+    call, entry = worker.Core.call, loader.LoadedModule.call
+    stamps = []
 
-    def timed_recv(ep, timeout=None):
-        msg, fds = recv(ep, timeout)
-        msg["t_core_in"] = time.perf_counter()
-        return msg, fds
+    def timed_entry(self, args):
+        stamps.append(time.perf_counter_ns())
+        try:
+            return entry(self, args)
+        finally:
+            stamps.append(time.perf_counter_ns())
 
-    def timed_run(module, weights, job, bufs):
-        t0 = time.perf_counter()
-        out = run(module, weights, job, bufs)
-        out["ts"] = (job["t_core_in"], t0, out["cycles"] / 1e9, time.perf_counter())
-        return out
+    def timed_call(self, rec):
+        stamps[:] = [time.perf_counter_ns()]
+        call(self, rec)
+        log.write(json.dumps(stamps[:3] + [time.perf_counter_ns()]) + "\n")
 
-    core.jobs.recv, inference.run = timed_recv, timed_run
-    core.main(argv)
+    worker.Core.call, loader.LoadedModule.call = timed_call, timed_entry
+    worker.main(argv)
 
 
 def front_worker(sock: str, threads: int) -> None:
-    import socket as _socket
+    """A device whose front logs (request in, job sent) per call, with instrumented cores."""
+    from dspx.device import jobs
+    from dspx.device.front import cores, loop
 
-    from dspx.device.front import service
+    log = open(os.environ[TS_ENV] + ".front", "w", buffering=1)
+    on_conn, start_job = loop.Service._on_conn, loop.Service._start_job
+    last_in = [0]
 
-    log = open(os.environ[TS_ENV], "w")
+    def timed_on_conn(self, conn, events):
+        last_in[0] = time.perf_counter_ns()
+        return on_conn(self, conn, events)
 
-    def start(self):  # CoreProc.start, with the core wrapped
-        parent, child = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", "core", "--fd", str(child.fileno()),
-                                      "--index", str(self.index), "--threads", str(self.threads)],
-                                     pass_fds=[child.fileno()], env=_threads_env(threads), stdin=subprocess.DEVNULL)
-        child.close()
-        parent.setblocking(True)
-        self.ep = service.jobs.endpoint(parent)
-        self.generation += 1
-        self.known_bufs, self.running, self.ready = set(), None, False
+    def timed_start_job(self, c, job):
+        start_job(self, c, job)
+        if isinstance(job.rec, jobs.Call):
+            log.write(json.dumps([last_in[0], time.perf_counter_ns()]) + "\n")
 
-    on_conn, to_core, recv = service.Service._on_conn, service.Service._send_to_core, service.jobs.recv
-    last_in = [0.0]
+    loop.Service._on_conn, loop.Service._start_job = timed_on_conn, timed_start_job
+    cores.CoreProc.COMMAND = (sys.executable, __file__, "--worker", "core")
+    os.environ.update(_threads_env(threads))
+    loop.Service(sock, cores=1, threads=threads).serve_forever()
 
-    def timed_on_conn(self, conn):
-        last_in[0] = time.perf_counter()
-        return on_conn(self, conn)
 
-    def timed_to_core(self, c, msg, bufs=()):
-        msg["t_front_in"], msg["t_front_out"] = last_in[0], time.perf_counter()
-        return to_core(self, c, msg, bufs)
-
-    def timed_recv(ep, timeout=None):
-        msg, fds = recv(ep, timeout)
-        if "ts" in msg:
-            job = service._bench_inflight.get(msg.get("job"))
-            if job is not None:
-                log.write(json.dumps([job.msg["t_front_in"], job.msg["t_front_out"], *msg["ts"],
-                                      time.perf_counter()]) + "\n")
-                log.flush()
-        return msg, fds
-
-    service.CoreProc.start, service.Service._on_conn = start, timed_on_conn
-    service.Service._send_to_core, service.jobs.recv = timed_to_core, timed_recv
-    svc = service.Service(sock, cores=1, threads=threads)
-    service._bench_inflight = svc._inflight
-    svc.serve_forever()
+LEGS = ("client: before send", "client -> front", "front: decode, plan, dispatch", "front -> core",
+        "core: before entry", "entry call", "core: outputs, answer", "core -> client", "client: after receive",
+        "total", "total - entry call")
 
 
 def breakdown(module: Path, threads: int, runs: int) -> dict:
-    """Median time of each leg of a zero-copy call (create_input + run_nocopy)."""
-
+    """Median time of each leg of a zero-copy call (create_input + run_nocopy),
+    from CLOCK_MONOTONIC stamps taken in the client, the front and the core."""
     from dspx.host.client import Client
     from dspx.host.vm import VirtualMachine
     from dspx.transport import is_listening
 
     tmp = tempfile.mkdtemp(prefix="dspx-bench-")
-    sock, ts_log = os.path.join(tmp, "dsp0.sock"), os.path.join(tmp, "ts.jsonl")
+    sock, ts_log = os.path.join(tmp, "dsp0.sock"), os.path.join(tmp, "ts")
     front = subprocess.Popen([sys.executable, __file__, "--worker", "front", "--target", sock, "--threads",
                               str(threads)], env={**_threads_env(threads), TS_ENV: ts_log})
     try:
@@ -197,30 +180,121 @@ def breakdown(module: Path, threads: int, runs: int) -> dict:
         xd = [vm.create_input(a.shape, a.dtype) for a in random_inputs(meta)]
         for _ in range(5):
             vm.run_nocopy(*xd)
-        sent, done, real_send = [], [], c.send
+        client_ts, real_send, real_receive = [], c._send_bytes, c._receive
 
-        def send(msg, fds=()):
-            sent.append(time.perf_counter())
-            return real_send(msg, fds)
+        def send_bytes(*a, **kw):
+            client_ts[-1].append(time.perf_counter_ns())
+            return real_send(*a, **kw)
 
-        c.send = send
+        def receive(*a, **kw):
+            real_receive(*a, **kw)
+            client_ts[-1].append(time.perf_counter_ns())
+
+        c._send_bytes, c._receive = send_bytes, receive
         for _ in range(runs):
+            client_ts.append([time.perf_counter_ns()])
             vm.run_nocopy(*xd)
-            done.append(time.perf_counter())
+            client_ts[-1].append(time.perf_counter_ns())
         vm.close()
         c.close()
     finally:
         front.terminate()
         front.wait(10)
-    rows = [json.loads(line) for line in open(ts_log)][-runs:]
-    legs = {k: [] for k in ("client -> front", "front: decode, validate", "front -> core",
-                            "core: views, pack outputs", "entry call (cycles)", "core -> front -> client",
-                            "total", "total - entry call")}
-    for t_send, t_done, (f_in, f_out, c_in, t0, entry, t_end, f_back) in zip(sent, done, rows):
-        for k, v in zip(legs, (f_in - t_send, f_out - f_in, c_in - f_out, t_end - c_in - entry, entry,
-                               t_done - t_end, t_done - t_send, t_done - t_send - entry)):
-            legs[k].append(v * 1e6)
+    fr = [json.loads(line) for line in open(ts_log + ".front")][-runs:]
+    co = [json.loads(line) for line in open(ts_log + ".core")][-runs:]
+    legs = {k: [] for k in LEGS}
+    for ts, (f_in, f_out), (c_in, e0, e1, c_out) in zip(client_ts, fr, co):
+        t0, t_send, t_recv, t_end = ts[0], ts[1], ts[-2], ts[-1]
+        vals = (t_send - t0, f_in - t_send, f_out - f_in, c_in - f_out, e0 - c_in, e1 - e0, c_out - e1,
+                t_recv - c_out, t_end - t_recv, t_end - t0, t_end - t0 - (e1 - e0))
+        for k, v in zip(LEGS, vals):
+            legs[k].append(v / 1e3)
+    # (core -> client overlaps the core's last steps: c_out is taken after its send returned)
     return {k: {"median_us": statistics.median(v), "p90_us": sorted(v)[int(0.9 * len(v))]} for k, v in legs.items()}
+
+
+NOOP_OP = 0x3F01
+NOOP_LIB = f"""
+from dspx.device.core.runtime import register_op
+
+@register_op({NOOP_OP:#x}, name="noop")
+def noop(input, output, tm):
+    return 0
+"""
+
+
+def _echo(sock, other) -> None:
+    other.close()  # the fork inherited the parent's end: EOF needs it closed
+    while True:
+        d = sock.recv(512)
+        if not d:
+            return
+        sock.send(d)
+
+
+def call_path(sock: str, module: Path, runs: int, batch: int = 25) -> dict:
+    """The fixed cost of a call, side by side in one run: PING, a bare Python
+    SEQPACKET ping-pong (the floor), the tiny 7-input module through
+    vm["main"] and zero-copy, and a no-op Python custom op (RPC)."""
+    import multiprocessing as mp
+    import socket as _socket
+
+    from dspx.abi import protocol as P
+    from dspx.host.client import Client
+    from dspx.host.tasks import Tasks
+    from dspx.host.vm import VirtualMachine
+
+    a, b = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    echo = mp.get_context("fork").Process(target=_echo, args=(b, a))
+    echo.start()
+    b.close()
+    meta = json.loads((module / "metadata.json").read_text())
+    x = random_inputs(meta)
+    staging = (module / "model.so").stat().st_size + (1 << 20)
+    vm = VirtualMachine(module, client=Client(sock, staging_size=staging, kv_size=0))
+    vm_nc = VirtualMachine(module, client=Client(sock, staging_size=staging, kv_size=0))
+    xd = [vm_nc.create_input(t.shape, t.dtype) for t in x]
+    ucp = Tasks(socket=sock)
+    ucp.load_ops(NOOP_LIB)
+    i_mem, o_mem = ucp.malloc(64), ucp.malloc(64)
+    ping_client, msg = vm.client, bytes(P.Ping().encode())
+
+    def timed(f):
+        def run(n):
+            ts = []
+            for _ in range(n):
+                t0 = time.perf_counter_ns()
+                f()
+                ts.append((time.perf_counter_ns() - t0) / 1e9)
+            return ts
+        return run
+
+    def bare():
+        a.send(msg)
+        a.recv(512)
+
+    cands = {"ping": timed(lambda: ping_client.request(P.Ping())), "bare": timed(bare),
+             "tiny_vm": timed(lambda: vm["main"](*x)), "tiny_nocopy": timed(lambda: vm_nc.run_nocopy(*xd)),
+             "noop_op": timed(lambda: ucp.run(NOOP_OP, i_mem, o_mem))}
+    try:
+        for f in cands.values():
+            f(100)  # warm-up
+        times, per_round = interleave(cands, runs, batch, settle=0.005)
+    finally:
+        ucp.close()
+        for v in (vm, vm_nc):
+            cl = v.client
+            v.close()
+            cl.close()
+        a.close()
+        echo.join(10)
+    res = {k: {"median_us": statistics.median(v) * 1e6, "p90_us": sorted(v)[int(0.9 * len(v))] * 1e6,
+               "n": len(v)} for k, v in times.items()}
+    res["ratios_paired"] = {"tiny_vm/ping": paired(per_round, "tiny_vm", "ping"),
+                            "tiny_nocopy/ping": paired(per_round, "tiny_nocopy", "ping"),
+                            "noop_op/ping": paired(per_round, "noop_op", "ping"),
+                            "ping/bare": paired(per_round, "ping", "bare")}
+    return res
 
 
 class Worker:
@@ -450,6 +524,8 @@ def main(argv=None) -> None:
                                                             ort_w)
         finally:
             ort_w.close()
+        print("call path: PING, bare ping-pong, tiny INFER, no-op op ...", file=sys.stderr)
+        report["call_path"] = call_path(sock, BUILD / "multi_input", max(10 * a.runs, 500))
         print("tiny module (7 inputs, INFER_LARGE) ...", file=sys.stderr)
         report["tiny_multi_input"] = bench_model("multi_input (7 inputs)", BUILD / "multi_input",
                                                  onnx["multi_input"], sock, a.threads, max(a.runs, 100), 10)
@@ -493,6 +569,11 @@ def main(argv=None) -> None:
         print(f"{'  (minimum of the runs)':26} {r['tvm']['min_ms']:9.3f}ms {r['vm']['min_ms']:8.3f}ms "
               f"{r['nocopy']['min_ms']:8.3f}ms {'':>11} {r['ort']['min_ms']:7.3f}ms {m['vm/tvm']:7.3f} "
               f"{m['nocopy/tvm']:7.3f} {'':>7} {m['nocopy/ort']:7.3f}")
+    cp = report["call_path"]
+    print(f"\ncall path, medians in us (paired ratios per round): " + ", ".join(
+        f"{k} {cp[k]['median_us']:.1f}" for k in ("bare", "ping", "tiny_nocopy", "tiny_vm", "noop_op")))
+    print("  " + ", ".join(f"{k} {v:.2f}" for k, v in cp["ratios_paired"].items()))
+    print("  goals: tiny INFER / PING <= 2.0, no-op op / PING <= 1.3, PING / bare <= 1.5")
     for label, legs in report.get("breakdown", {}).items():
         print(f"\nlegs of one create_input + run_nocopy call, {label} (median / p90, us):")
         for k, v in legs.items():
@@ -500,7 +581,7 @@ def main(argv=None) -> None:
     for k, v in report["compile"].items():
         st = ", ".join(f"{s} {t:.2f}" for s, t in v["stages_s"].items())
         print(f"compile ResNet-18 ({k}): {v['wall_s']:.1f} s wall incl. interpreter + TVM import ({st})")
-    print("goals: vm/tvm <= 1.05, nocopy/tvm <= 1.02, device/ort <= 1.5 (reach 1.0)")
+    print("goals: ResNet-18 vm/tvm <= 1.03, nocopy/tvm <= 1.01 and below vm/tvm (paired)")
     print(f"JSON: {path.relative_to(ROOT)}")
 
 

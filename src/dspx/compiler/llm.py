@@ -575,8 +575,9 @@ def compiler_digest() -> str:
     """Digest of this compiler's source and TVM's version (cache key)."""
     import tvm
     h = hashlib.sha256(tvm.__version__.encode())
+    abi = Path(__file__).parent.parent / "abi"
     for f in (Path(__file__).with_name("llm.py"), Path(__file__).with_name("module.py"),
-              Path(__file__).parent.parent / "modformat.py"):
+              abi / "modformat.py", abi / "llmpack.py", abi / "layout.py"):
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 

@@ -171,7 +171,10 @@ class Deliver:
 # A successful call thus costs the front no wake-up: the front reads the page
 # when it next needs to know (the client's next request, scheduling,
 # housekeeping).  Failures always send their Done, which carries the error.
-STATUS_PAGE = struct.Struct("<QQ")  # done_job, wake
+# Each side writes only its own word: done_job (u64 at 0) is the core's, wake
+# (u64 at 8) the front's.
+STATUS_WORD = struct.Struct("<Q")
+STATUS_DONE, STATUS_WAKE = 0, 8
 STATUS_SIZE = 4096
 
 

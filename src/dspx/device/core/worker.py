@@ -305,8 +305,8 @@ class Core:
         # a success through the status page, a failure (with its text) by a Done.
         wake = False
         if status == Status.SUCCESS and client is not None:
-            jobs.STATUS_PAGE.pack_into(self.status, 0, rec.job, 0)
-            wake = jobs.STATUS_PAGE.unpack_from(self.status)[1] != 0
+            jobs.STATUS_WORD.pack_into(self.status, jobs.STATUS_DONE, rec.job)
+            wake = jobs.STATUS_WORD.unpack_from(self.status, jobs.STATUS_WAKE)[0] != 0
         else:
             jobs.send(self.ep, jobs.Done(rec.job, int(status), error, rec.seq, numbers,
                                          response=None if client is not None else resp))

@@ -20,6 +20,9 @@ from .. import jobs
 
 
 class CoreProc:
+    #: how a core process is started (the benchmarks start an instrumented one)
+    COMMAND = (sys.executable, "-m", "dspx.device.core")
+
     def __init__(self, index: int, threads: int, env: dict | None = None):
         self.index = index
         self.threads = threads
@@ -50,7 +53,7 @@ class CoreProc:
         if self.threads:
             env.setdefault("OMP_NUM_THREADS", str(self.threads))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dspx.device.core", "--fd", str(child.fileno()), "--status-fd", str(status_fd),
+            [*self.COMMAND, "--fd", str(child.fileno()), "--status-fd", str(status_fd),
              "--index", str(self.index), "--threads", str(self.threads)],
             pass_fds=[child.fileno(), status_fd], env=env, stdin=subprocess.DEVNULL)
         child.close()
@@ -64,11 +67,11 @@ class CoreProc:
     def finished(self) -> bool:
         """Whether the running Call has ended with SUCCESS (the status page says so)."""
         job = self.running
-        return job is not None and jobs.STATUS_PAGE.unpack_from(self.status)[0] == job.rec.job
+        return job is not None and jobs.STATUS_WORD.unpack_from(self.status, jobs.STATUS_DONE)[0] == job.rec.job
 
     def want_done(self, wake: bool) -> None:
         """Ask for (or stop asking for) a Done datagram when the running call succeeds."""
-        jobs.STATUS_PAGE.pack_into(self.status, 0, jobs.STATUS_PAGE.unpack_from(self.status)[0], int(wake))
+        jobs.STATUS_WORD.pack_into(self.status, jobs.STATUS_WAKE, int(wake))
 
     @property
     def alive_generation(self) -> int | None:

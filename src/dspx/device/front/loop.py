@@ -257,10 +257,13 @@ class Service:
     def _drain_for(self, conn: Conn) -> None:
         """Before a connection's next request: take what its cores reported,
         so the state the request meets includes its earlier jobs' ends."""
+        ended = False
         for c in self.cores:
             if c.running is not None and c.running.conn is conn:
                 self._drain_core(c)
-                self._poll_done(c)
+                ended |= self._poll_done(c)
+        if ended:
+            self._schedule()
 
     def _poll_done(self, c: CoreProc) -> bool:
         """End the core's running call if its status page says it succeeded."""
