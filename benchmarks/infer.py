@@ -112,7 +112,7 @@ def core_worker(argv) -> None:
     from dspx.device.core import loader, worker
 
     log = open(os.environ[TS_ENV] + ".core", "w", buffering=1)
-    call, entry = worker.Core.call, loader.LoadedModule.call
+    call, entry = worker.CoreWorker.call, loader.MappedModule.call
     stamps = []
 
     def timed_entry(self, args):
@@ -127,7 +127,7 @@ def core_worker(argv) -> None:
         call(self, rec)
         log.write(json.dumps(stamps[:3] + [time.perf_counter_ns()]) + "\n")
 
-    worker.Core.call, loader.LoadedModule.call = timed_call, timed_entry
+    worker.CoreWorker.call, loader.MappedModule.call = timed_call, timed_entry
     worker.main(argv)
 
 

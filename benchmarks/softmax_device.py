@@ -47,7 +47,7 @@ def numpy_softmax(x: np.ndarray) -> np.ndarray:
 class Bench:
     def __init__(self, n: int):
         self.n = n
-        self.core = runtime.Core()
+        self.core = runtime.CoreRuntime()
         self.reg = ops.OpRegistry()
         builtin_ops.register(self.reg)
         self.space = AddressSpace()
@@ -63,7 +63,7 @@ class Bench:
 
     def device(self, tcm: int) -> tuple[int, np.ndarray]:
         struct.pack_into("<iQB", self.maps[PARAM_ADDR], 0, 4 * self.n, DATA_ADDR, tcm)
-        r = self.reg.run(builtin_ops.SOFTMAX_CMD, self.param, self.out, runtime.Task(self.space, self.core))
+        r = self.reg.run(builtin_ops.SOFTMAX_CMD, self.param, self.out, runtime.TaskContext(self.space, self.core))
         if r.status or r.return_value:
             raise SystemExit(f"softmax failed: {r}")
         return r.cycles, self.out.view(np.float32)
@@ -116,7 +116,7 @@ def sweep(n: int, repeat: int, tiles: list[int]) -> list[dict]:
     b = Bench(n)
     y = b.out.view(np.float32)
     try:
-        with runtime.activate(runtime.Task(b.space, b.core)):
+        with runtime.activate(runtime.TaskContext(b.space, b.core)):
             for te in tiles:
                 cs = [timed(lambda: builtin_ops.softmax_ping_pong(b.x, y, b.core.tm, te))[0]
                       for _ in range(repeat + 1)][1:]

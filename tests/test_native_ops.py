@@ -59,7 +59,7 @@ class Dev:
     argument buffer, a data buffer and an output buffer (1 MiB each)."""
 
     def __init__(self, lib: bytes | None = None, data_size: int = BUF, out_size: int = BUF):
-        self.core = rt.Core()
+        self.core = rt.CoreRuntime()
         self.reg = ops.OpRegistry()
         builtin_ops.register(self.reg)
         self.space = AddressSpace()
@@ -80,7 +80,7 @@ class Dev:
             ARGS.pack_into(self.mm[ARGS_ADDR], 0, addr, size, mode, *(list(ints) + [0] * (16 - len(ints))))
             input = self.args[:ARGS.size]
         out = self.out if out_size is None else self.out[:out_size]
-        return self.reg.run(cmd, input, out, rt.Task(self.space, self.core))
+        return self.reg.run(cmd, input, out, rt.TaskContext(self.space, self.core))
 
     def close(self):
         self.core.close()
@@ -334,7 +334,7 @@ def test_builtin_c_softmax_at_2_pow_24_plus_3_with_page_end_buffers():
         ref = scipy.special.softmax(x.astype(np.float64))
         for tcm in (1, 0):
             struct.pack_into("<i4xQB", d.mm[ARGS_ADDR], 0, 4 * n, DATA_ADDR, tcm)
-            r = d.reg.run(0x1402, d.args[:24], np.frombuffer(d.mm[OUT_ADDR], np.uint8), rt.Task(d.space, d.core))
+            r = d.reg.run(0x1402, d.args[:24], np.frombuffer(d.mm[OUT_ADDR], np.uint8), rt.TaskContext(d.space, d.core))
             assert (r.status, r.return_value) == (0, 0), r.printf
             assert np.max(np.abs(np.frombuffer(d.mm[OUT_ADDR], np.float32) - ref) / ref) <= 1e-6
     finally:

@@ -15,7 +15,7 @@ from dspx.memory import AddressSpace, Region
 from dspx.abi import ops as ops_abi
 from dspx.abi.protocol import Status
 from dspx.device.core import builtin_ops, ops, runtime as rt
-from dspx.device.core.errors import OpBusy, OpLoadError, OpSymbolError, UnknownLibrary, UnknownOp
+from dspx.device.core.errors import OpBusy, OpLoadError, OpSymbolError, UnknownLibrary, NoSuchOp
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "softmax" / "softmax_ops.py"
 PARAM_ADDR, DATA_ADDR, OUT_ADDR = 0xC000_0000, 0xC010_0000, 0xD000_0000
@@ -26,7 +26,7 @@ class Device:
     address space holds a parameter buffer, a data buffer and an output buffer."""
 
     def __init__(self, n: int):
-        self.core = rt.Core()
+        self.core = rt.CoreRuntime()
         self.reg = ops.OpRegistry()
         builtin_ops.register(self.reg)
         self.space = AddressSpace()
@@ -41,7 +41,7 @@ class Device:
 
     def run(self, cmd, input=None, output=None):
         input = self.param[:24] if input is None else input
-        return self.reg.run(cmd, input, self.out if output is None else output, rt.Task(self.space, self.core))
+        return self.reg.run(cmd, input, self.out if output is None else output, rt.TaskContext(self.space, self.core))
 
     def softmax(self, cmd: int, tcm: int, n: int | None = None, addr: int = DATA_ADDR):
         n = self.data.size if n is None else n
@@ -181,7 +181,7 @@ def test_register_duplicate_is_busy(dev):
 
 
 def test_unknown_cmd_is_err_op(dev):
-    with pytest.raises(UnknownOp) as ei:
+    with pytest.raises(NoSuchOp) as ei:
         dev.run(0xDEAD)
     assert ei.value.status == Status.ERR_OP and "0xdead" in str(ei.value)
 
@@ -228,7 +228,7 @@ def test_load_run_list_unload(dev):
     assert (dev.out == 42).all()
     dev.reg.unload_library(h)
     assert dev.reg.ops() == [ops.OpInfo(0x1402, "softmax", 0, 0)]
-    with pytest.raises(UnknownOp):
+    with pytest.raises(NoSuchOp):
         dev.run(0x3001)
     with pytest.raises(UnknownLibrary) as ei:
         dev.reg.unload_library(h)
@@ -286,9 +286,9 @@ def test_example_library_loads_and_names_its_op(dev):
     ("import numpy.linalg\nfrom dspx.device.core import ops\n", "dspx.device.core.ops", 2),
     ("import dspx\n", "dspx", 1),
     ("from . import runtime\n", ".runtime", 1),
-    ("from dspx.device.core.runtime import Core\n", "dspx.device.core.runtime.Core", 1),
+    ("from dspx.device.core.runtime import CoreRuntime\n", "dspx.device.core.runtime.CoreRuntime", 1),
     ("from dspx.device.core import runtime as rt\n\nx = rt.activate\n", "dspx.device.core.runtime.activate", 3),
-    ("import dspx.device.core.runtime\ndspx.device.core.runtime.Task\n", "dspx.device.core.runtime.Task", 2),
+    ("import dspx.device.core.runtime\ndspx.device.core.runtime.TaskContext\n", "dspx.device.core.runtime.TaskContext", 2),
     ("from numpy import *\n", "numpy.*", 1),
     ("x = 1\nm = __import__('os')\n", "__import__", 2),
     ("f = open('/etc/passwd')\n", "open", 1),

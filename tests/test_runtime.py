@@ -20,7 +20,7 @@ BASE = 0xC000_0000
 
 @pytest.fixture
 def core():
-    c = rt.Core()
+    c = rt.CoreRuntime()
     yield c
     c.close()
 
@@ -408,7 +408,7 @@ def test_vector_helpers_refuse_other_dtypes():
 
 def test_mem_map_is_zero_copy_and_range_checked(core):
     space, (a, b), (ma, mb) = make_space(4096, 8192)
-    with rt.activate(rt.Task(space, core)):
+    with rt.activate(rt.TaskContext(space, core)):
         arr = rt.mem_map(a + 100, 50)
         assert arr.dtype == np.uint8 and arr.nbytes == 50
         arr[:] = 9
@@ -441,7 +441,7 @@ def test_task_apis_outside_a_task_are_refused():
 
 def test_dma_proxy_uses_the_running_tasks_core(core):
     space, _, _ = make_space(4096)
-    with rt.activate(rt.Task(space, core)):
+    with rt.activate(rt.TaskContext(space, core)):
         src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
         rt.dma.copy(1, src, dst, 64)
         assert rt.dma.in_flight(1) == 1 and core.dma.in_flight(1) == 1
@@ -451,7 +451,7 @@ def test_dma_proxy_uses_the_running_tasks_core(core):
 
 def test_printf_formats_like_c(core):
     space, _, _ = make_space(4096)
-    task = rt.Task(space, core)
+    task = rt.TaskContext(space, core)
     with rt.activate(task):
         rt.printf("find softmax ping-pong tcm is %d cycles\n", 5154293)
         rt.printf("%lu %lld %5.2f %s %x %%\n", 1, -2, np.float32(1.5), "ok", 255)
@@ -462,7 +462,7 @@ def test_printf_formats_like_c(core):
 
 def test_printf_keeps_the_newest_text_when_over_the_limit(core):
     space, _, _ = make_space(4096)
-    task = rt.Task(space, core, printf_limit=200)
+    task = rt.TaskContext(space, core, printf_limit=200)
     with rt.activate(task):
         for i in range(100):
             rt.printf("line %03d\n", i)
@@ -481,7 +481,7 @@ def test_export_table_names_exist():
 
 
 def test_l2_size_is_configurable():
-    with rt.Core(l2_size=64 << 10) as small:
+    with rt.CoreRuntime(l2_size=64 << 10) as small:
         assert small.tm.free_bytes(0) == small.tm.free_bytes(1) == 32 << 10
         with pytest.raises(TileExhausted):
             small.tm.alloc((32 << 10) + 1, 0)
@@ -496,7 +496,7 @@ def test_settle_survives_a_failed_copy_left_in_flight():
         def _do_copy(self, src, dst):
             raise OSError("bus error")
 
-    with rt.Core() as c:
+    with rt.CoreRuntime() as c:
         c.dma.close()
         c.dma = Broken(c.tm)
         t0, t1 = c.tm.alloc(64, 0), c.tm.alloc(64, 1)

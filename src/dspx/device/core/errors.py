@@ -5,17 +5,17 @@ from dspx.memory import AddressError
 from dspx.abi.protocol import Status
 
 
-class DeviceError(Exception):
+class CoreError(Exception):
     status: Status = Status.ERR_GENERIC
 
 
-class LoadError(DeviceError):
+class LoadError(CoreError):
     """The staged bytes are not a module this device can load (ERR_LOAD)."""
 
     status = Status.ERR_LOAD
 
 
-class NoMemError(DeviceError):
+class NoMemError(CoreError):
     """The DDR pool cannot hold the module (ERR_NOMEM)."""
 
     status = Status.ERR_NOMEM
@@ -25,7 +25,7 @@ class NoMemError(DeviceError):
         self.oom_requested, self.oom_free, self.oom_total = requested, free, total
 
 
-class SymbolError(DeviceError):
+class SymbolError(CoreError):
     """A symbol the module needs is not exported by the firmware, or the
     module lacks a symbol the loader needs (ERR_SYMBOL).  ``.symbol`` names it."""
 
@@ -36,20 +36,20 @@ class SymbolError(DeviceError):
         self.symbol = symbol
 
 
-class WeightsError(DeviceError):
+class WeightsError(CoreError):
     """Weights that are truncated, corrupt, or not the ones the module was
     compiled with (ERR_WEIGHTS)."""
 
     status = Status.ERR_WEIGHTS
 
 
-class TensorError(DeviceError):
+class TensorError(CoreError):
     """Inputs that do not match the module's signature (ERR_TENSOR)."""
 
     status = Status.ERR_TENSOR
 
 
-class CallError(DeviceError):
+class CallError(CoreError):
     """The module's entry raised while running (ERR_CALL)."""
 
     status = Status.ERR_CALL
@@ -57,14 +57,14 @@ class CallError(DeviceError):
 
 # ------------------------------------------------ DSP runtime (custom operators)
 
-class RuntimeMisuse(DeviceError, ValueError):
+class RuntimeMisuse(CoreError, ValueError):
     """A runtime API called wrongly: bad bank/channel/size, double free, a
     wait with nothing in flight, an API used outside a task (ERR_INVALID)."""
 
     status = Status.ERR_INVALID
 
 
-class MapError(DeviceError, AddressError):
+class MapError(CoreError, AddressError):
     """mem_map of a DSP range not wholly inside one of the task's buffers (ERR_ADDR)."""
 
     status = Status.ERR_ADDR
@@ -74,7 +74,7 @@ class MapError(DeviceError, AddressError):
         self.addr, self.nbytes = addr, nbytes
 
 
-class TileExhausted(DeviceError, MemoryError):
+class TileExhausted(CoreError, MemoryError):
     """An L2 bank has no hole large enough for a tile (ERR_NOMEM)."""
 
     status = Status.ERR_NOMEM
@@ -90,7 +90,7 @@ class DmaError(RuntimeMisuse):
     with nothing in flight) or a copy that failed in the engine (ERR_INVALID)."""
 
 
-class DmaTimeout(DeviceError, TimeoutError):
+class DmaTimeout(CoreError, TimeoutError):
     """A DMA wait that did not complete within its timeout (ERR_TIMEOUT)."""
 
     status = Status.ERR_TIMEOUT
@@ -124,7 +124,7 @@ class OpSymbolError(SymbolError):
         return self.line
 
 
-class OpBusy(DeviceError):
+class OpBusy(CoreError):
     """A command id that is already registered (ERR_BUSY)."""
 
     status = Status.ERR_BUSY
@@ -135,7 +135,7 @@ class OpBusy(DeviceError):
         self.cmd, self.owner = cmd, owner
 
 
-class UnknownOp(DeviceError, LookupError):
+class NoSuchOp(CoreError, LookupError):
     """A task naming a command id no operator is registered under (ERR_OP)."""
 
     status = Status.ERR_OP
@@ -145,7 +145,7 @@ class UnknownOp(DeviceError, LookupError):
         self.cmd = cmd
 
 
-class UnknownLibrary(DeviceError, LookupError):
+class UnknownLibrary(CoreError, LookupError):
     """An op library handle that is not loaded (ERR_HANDLE)."""
 
     status = Status.ERR_HANDLE

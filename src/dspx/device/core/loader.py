@@ -170,7 +170,7 @@ def as_tensor(arr: np.ndarray):
     return tvm.runtime.from_dlpack(copy), False
 
 
-class LoadedModule:
+class MappedModule:
     """A module mapped into the device, ready to run its entry."""
 
     def __init__(self, info: ElfInfo, lib, vm, fd: int):
@@ -268,7 +268,7 @@ class LoadedModule:
 
 
 def load_module(elf, kernel_names: set[str] = frozenset(), *, ddr_free: int | None = None,
-                ddr_total: int | None = None) -> LoadedModule:
+                ddr_total: int | None = None) -> MappedModule:
     """Check ``elf`` (bytes held in staging), then map it and create its VM.
 
     ``kernel_names``: the kernel library's exports (firmware kernels a module
@@ -307,13 +307,13 @@ def load_module(elf, kernel_names: set[str] = frozenset(), *, ddr_free: int | No
             vm.module["get_function_arity"](entry)
         except Exception:
             raise SymbolError(entry, f"module has no entry function {entry!r}") from None
-        return LoadedModule(info, lib, vm, fd)
+        return MappedModule(info, lib, vm, fd)
     except BaseException:
         os.close(fd)
         raise
 
 
-def describe(mod: LoadedModule) -> dict:
+def describe(mod: MappedModule) -> dict:
     """The DYN_LOAD result the core hands to the front (JSON-able)."""
     io = mod.io_meta
     return {"text_size": mod.text_size, "data_size": mod.data_size, "workspace_bytes": mod.workspace_bytes,

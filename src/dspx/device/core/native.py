@@ -198,7 +198,7 @@ def shim() -> ctypes.CDLL:
 
 
 class Context:
-    """One core's native runtime: its L2 (the runtime.Core's buffer), tile
+    """One core's native runtime: its L2 (the runtime.CoreRuntime's buffer), tile
     manager and DMA threads."""
 
     def __init__(self, l2: np.ndarray):
@@ -234,7 +234,7 @@ class Context:
 
 
 def context_of(core) -> Context:
-    """The native context of a runtime.Core, created on first use."""
+    """The native context of a runtime.CoreRuntime, created on first use."""
     ctx = getattr(core, "native", None)
     if ctx is None:
         ctx = core.native = Context(core.l2)

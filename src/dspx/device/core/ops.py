@@ -33,7 +33,7 @@ import numpy as np
 
 from ...abi.protocol import Status
 from . import native, runtime
-from .errors import OpBusy, OpLoadError, OpSymbolError, UnknownLibrary, UnknownOp
+from .errors import OpBusy, OpLoadError, OpSymbolError, UnknownLibrary, NoSuchOp
 
 RUNTIME_MODULE = "dspx.device.core.runtime"
 ALLOWED_MODULES = ("numpy", "math", RUNTIME_MODULE)
@@ -278,14 +278,14 @@ class OpRegistry:
         return sorted(self._libs)
 
     # ---------------------------------------------------------------- tasks
-    def run(self, cmd: int, input: np.ndarray, output: np.ndarray, task: runtime.Task) -> OpResult:
+    def run(self, cmd: int, input: np.ndarray, output: np.ndarray, task: runtime.TaskContext) -> OpResult:
         """Run the operator for ``cmd`` on the task's input/output arrays.
-        UnknownOp (ERR_OP) if nothing is registered; everything that goes
+        NoSuchOp (ERR_OP) if nothing is registered; everything that goes
         wrong inside the handler comes back in the result, and the core is
         settled (DMA drained, leftover tiles freed) either way."""
         op = self._ops.get(cmd)
         if op is None:
-            raise UnknownOp(cmd)
+            raise NoSuchOp(cmd)
         if isinstance(op.handler, native.NativeOp):
             status, rv, elapsed, text = native.run(op.handler, input, output, task)
             task.write(text)

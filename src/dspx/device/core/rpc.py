@@ -15,7 +15,7 @@ from . import builtin_ops, ops, runtime
 class CoreOps:
     def __init__(self, index: int, fault_injection: bool = False):
         self.index = index
-        self.rt = runtime.Core(l2_size=memory.L2_SIZE)
+        self.rt = runtime.CoreRuntime(l2_size=memory.L2_SIZE)
         self.registry = ops.OpRegistry()
         builtin_ops.register(self.registry)
         if fault_injection:
@@ -39,7 +39,7 @@ class Prepared:
         self.printf_limit = (spec.printf[2] if spec.printf else memory.PRINTF_SIZE) - layout.PRINTF_HEADER
 
     def run(self, core_ops: CoreOps) -> ops.OpResult:
-        task = runtime.Task(self.space, core_ops.rt, printf_limit=self.printf_limit)
+        task = runtime.TaskContext(self.space, core_ops.rt, printf_limit=self.printf_limit)
         return core_ops.registry.run(self.spec.cmd, self.inp, self.out, task)
 
     @staticmethod

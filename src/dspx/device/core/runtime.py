@@ -14,8 +14,8 @@ numpy, math and this module, and from this module only the names in
 * vector helpers ``vecmax``, ``vecexp_max``, ``vecsum``, ``vecmul`` (float32);
 * ``printf`` and ``cycles``.
 
-The device core owns one ``Core`` (L2, tile manager, DMA engine) and runs each
-task inside ``activate(Task(space, core))``; the per-task APIs above read the
+The device core owns one ``CoreRuntime`` (L2, tile manager, DMA engine) and runs each
+task inside ``activate(TaskContext(space, core))``; the per-task APIs above read the
 active task from a context variable.
 """
 from __future__ import annotations
@@ -294,7 +294,7 @@ class DmaEngine:
 
 # ------------------------------------------------------------------ core and task
 
-class Core:
+class CoreRuntime:
     """The runtime state private to one simulated DSP core: L2 SRAM (a real,
     preallocated buffer), its tile manager and its DMA engine."""
 
@@ -331,19 +331,19 @@ class Core:
             self.native.close()
             self.native = None
 
-    def __enter__(self) -> "Core":
+    def __enter__(self) -> "CoreRuntime":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-class Task:
+class TaskContext:
     """What a handler's runtime calls see while it runs: the connection's
     address space (anything with ``.view(addr, size) -> memoryview`` raising
     AddressError, like dspx.memory.AddressSpace), the core, and the printf text."""
 
-    def __init__(self, space, core: Core, printf_limit: int = PRINTF_SIZE - PRINTF_HEADER):
+    def __init__(self, space, core: CoreRuntime, printf_limit: int = PRINTF_SIZE - PRINTF_HEADER):
         self.space = space
         self.core = core
         self.printf_limit = printf_limit
@@ -377,11 +377,11 @@ class Task:
         return (note + data[len(data) - self.printf_limit + len(note):]).decode("utf-8", "ignore")
 
 
-_current: contextvars.ContextVar[Task | None] = contextvars.ContextVar("dspx_task", default=None)
+_current: contextvars.ContextVar[TaskContext | None] = contextvars.ContextVar("dspx_task", default=None)
 
 
 @contextlib.contextmanager
-def activate(task: Task) -> Iterator[Task]:
+def activate(task: TaskContext) -> Iterator[TaskContext]:
     """Make ``task`` the one mem_map, printf, dma and ping_pong act on."""
     token = _current.set(task)
     try:
@@ -390,7 +390,7 @@ def activate(task: Task) -> Iterator[Task]:
         _current.reset(token)
 
 
-def _task(api: str) -> Task:
+def _task(api: str) -> TaskContext:
     task = _current.get()
     if task is None:
         raise RuntimeMisuse(f"{api} called outside a task")

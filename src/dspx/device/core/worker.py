@@ -26,7 +26,7 @@ from ...transport import Endpoint, PeerClosed
 from .. import jobs
 
 # Module bytes are loaded once in a forked child before the core maps them
-# (see Core._probe_load); DSPX_LOAD_PROBE=0 turns that off.
+# (see CoreWorker._probe_load); DSPX_LOAD_PROBE=0 turns that off.
 LOAD_PROBE_ENV = "DSPX_LOAD_PROBE"
 LOAD_PROBE_TIMEOUT_S = 30.0
 _DONTWAIT = int(socket.MSG_DONTWAIT)
@@ -41,7 +41,7 @@ class JobAborted(Exception):
         self.status = status
 
 
-class Core:
+class CoreWorker:
     def __init__(self, ep: Endpoint, index: int, threads: int, status: mmap.mmap | None = None):
         self.ep = ep
         self.status = status if status is not None else mmap.mmap(-1, jobs.STATUS_SIZE)
@@ -398,7 +398,7 @@ def main(argv=None) -> None:
     if a.status_fd is not None:
         status = mmap.mmap(a.status_fd, jobs.STATUS_SIZE)
         os.close(a.status_fd)
-    core = Core(jobs.endpoint(sock), a.index, a.threads, status)
+    core = CoreWorker(jobs.endpoint(sock), a.index, a.threads, status)
     try:
         core.serve()
     except KeyboardInterrupt:
