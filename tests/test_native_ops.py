@@ -494,6 +494,17 @@ def _tasks(client):
     return Tasks(client)
 
 
+def test_tasks_load_ops_takes_the_path_of_a_so(device, sdk_ops, tmp_path):
+    from dspx.host.tasks import Tasks
+
+    lib = tmp_path / "ops.so"
+    lib.write_bytes(sdk_ops)
+    with Tasks(socket=device.path) as u:
+        handle, n = u.load_ops(lib)
+        names = {o["name"] for o in u.ops() if o["library"] == handle}
+    assert n >= 1 and len(names) == n
+
+
 def _args(ucp, ints=(), mode=0):
     m = ucp.malloc(ARGS.size)
     m.buf.mm[:ARGS.size] = ARGS.pack(0, 0, mode, *(list(ints) + [0] * (16 - len(ints))))

@@ -151,9 +151,12 @@ class Tasks:
 
     # ------------------------------------------------------------------ op libraries
     def load_ops(self, source: str | bytes | Path) -> tuple[int, int]:
-        """Send an op library to the device: (library handle, number of ops)."""
-        if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source and source.endswith(".py")):
-            source = Path(source).read_text()
+        """Send an op library to the device: (library handle, number of ops).
+        ``source``: Python source, a native library's bytes, or the path of
+        either (a .py file or a .so built with ``dspx build-ops``)."""
+        if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source
+                                        and source.endswith((".py", ".so"))):
+            source = Path(source).read_bytes()
         data = source.encode() if isinstance(source, str) else bytes(source)
         buf = self.client.alloc(len(data), "dspx-oplib")
         try:

@@ -28,13 +28,12 @@ from __future__ import annotations
 import ctypes
 import io
 import os
-import signal
-import time
 
 import numpy as np
 from elftools.elf.elffile import ELFFile
 
 from ...abi.protocol import Status
+from . import probe
 from .errors import OpLoadError, OpSymbolError
 from .native_exports import ALLOWED_NEEDED, check_imports
 
@@ -281,38 +280,17 @@ def _probe(path: str, filename: str) -> None:
     """Run dspx_ops_init once in a forked child: a crash or hang there is
     ERR_LOAD and never reaches the core."""
     rt = shim()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 0
-        try:
-            import faulthandler
-            faulthandler.disable()  # a crash here is the expected answer, not news for the log
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # ends the child even inside native code
-            signal.alarm(PROBE_TIMEOUT_S)
-            lib = ctypes.CDLL(path)
-            rt.dspx_rt_collect_begin()
-            getattr(lib, INIT_SYMBOL)()
-        except BaseException:
-            code = 1
-        os._exit(code)
-    deadline = time.monotonic() + PROBE_TIMEOUT_S + 5
-    done, status = 0, 0
-    try:
-        while not done:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if not done:
-                if time.monotonic() > deadline:
-                    raise OpLoadError(f"{filename}: {INIT_SYMBOL} did not return within {PROBE_TIMEOUT_S} s")
-                time.sleep(0.001)
-    finally:
-        if not done:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if sig == signal.SIGALRM:
-            raise OpLoadError(f"{filename}: {INIT_SYMBOL} did not return within {PROBE_TIMEOUT_S} s")
-        raise OpLoadError(f"{filename}: {INIT_SYMBOL} crashed ({signal.Signals(sig).name})")
+
+    def init():
+        lib = ctypes.CDLL(path)
+        rt.dspx_rt_collect_begin()
+        getattr(lib, INIT_SYMBOL)()
+
+    out = probe.in_child(init, PROBE_TIMEOUT_S)
+    if out.hung:
+        raise OpLoadError(f"{filename}: {INIT_SYMBOL} did not return within {PROBE_TIMEOUT_S} s")
+    if out.signal:
+        raise OpLoadError(f"{filename}: {INIT_SYMBOL} crashed ({out.signal_name})")
 
 
 class NativeLibrary:

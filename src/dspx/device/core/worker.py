@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import sys
-import time
 import traceback
 
 from ...abi import layout
@@ -24,11 +23,12 @@ from ...abi import protocol as P
 from ...abi.protocol import Status
 from ...transport import Endpoint, PeerClosed
 from .. import jobs
+from . import probe
 
 # Module bytes are loaded once in a forked child before the core maps them
 # (see CoreWorker._probe_load); DSPX_LOAD_PROBE=0 turns that off.
 LOAD_PROBE_ENV = "DSPX_LOAD_PROBE"
-LOAD_PROBE_TIMEOUT_S = 30.0
+LOAD_PROBE_TIMEOUT_S = 30
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
@@ -207,49 +207,16 @@ class CoreWorker:
 
         loader._check_ident(memoryview(elf).cast("B"))  # not an ELF at all: refused here, no fork
         names = self.kernel_names()  # before the fork: the child must not do first-time set-up
-        pid = os.fork()
-        if pid == 0:  # the child: never returns, never talks to the front
-            code = 0
-            try:
-                # A native exit() in the child (TVM's way of failing) would run
-                # the parent's C++ static destructors, which wait for thread
-                # pools that do not exist here: leave at once instead.
-                import ctypes
-                self._exit_hook = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: os._exit(3))
-                ctypes.CDLL(None).__cxa_atexit(self._exit_hook, None, None)
-            except (OSError, AttributeError):
-                pass
-            # A watchdog no Python code can block: SIGALRM's default action
-            # ends the child even when it is stuck in native code.
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(int(LOAD_PROBE_TIMEOUT_S))
-            try:
-                loader.load_module(elf, names, ddr_free=ddr_free).unload()
-            except BaseException:
-                code = 1
-            os._exit(code)
-        deadline = time.monotonic() + LOAD_PROBE_TIMEOUT_S + 5
-        done, status = 0, 0
-        try:
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    break
-                if time.monotonic() > deadline:
-                    raise LoadError(f"loading the module did not finish within {LOAD_PROBE_TIMEOUT_S:.0f} s")
-                time.sleep(0.001)
-        finally:
-            if not done:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM:
+        out = probe.in_child(lambda: loader.load_module(elf, names, ddr_free=ddr_free).unload(),
+                             LOAD_PROBE_TIMEOUT_S)
+        if out.hung:
             raise LoadError(f"loading the module hung (no result within {LOAD_PROBE_TIMEOUT_S:.0f} s); "
                             f"it is damaged or not a module for this device")
-        if os.WIFSIGNALED(status):
-            raise LoadError(f"the module crashed the loader ({signal.Signals(os.WTERMSIG(status)).name}); "
+        if out.signal:
+            raise LoadError(f"the module crashed the loader ({out.signal_name}); "
                             f"it is damaged or not a module for this device")
-        if os.WEXITSTATUS(status) not in (0, 1):
-            raise LoadError(f"the module aborted the loader (exit status {os.WEXITSTATUS(status)}); "
+        if out.exit_code not in (0, 1):
+            raise LoadError(f"the module aborted the loader (exit status {out.exit_code}); "
                             f"it is damaged or not a module for this device")
 
     # ---------------------------------------------------------------- calls (INFER, RPC)

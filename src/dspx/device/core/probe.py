@@ -1,0 +1,68 @@
+"""Run untrusted code once in a throwaway child before the core runs it.
+
+A module or a native op library can crash or hang in ways no check before
+mapping sees (a damaged TVM module tree aborts the deserializer; an op
+library's init may segfault).  A forked child (copy-on-write) takes that hit
+instead of the core, and says how it ended.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Outcome:
+    hung: bool = False
+    signal: int | None = None  # the signal that ended it
+    exit_code: int = 0  # 0: fn returned; 1: fn raised; else how native code ended it
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal else ""
+
+
+def in_child(fn: Callable[[], object], timeout_s: int) -> Outcome:
+    pid = os.fork()
+    if pid == 0:  # the child: never returns, never talks to the front
+        code = 0
+        try:
+            import ctypes
+            import faulthandler
+            faulthandler.disable()  # a crash here is the expected answer, not news for the log
+            # A native exit() (TVM's way of failing) would run the parent's C++
+            # static destructors, which wait for thread pools that do not exist
+            # here: leave at once instead.
+            hook = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: os._exit(3))
+            ctypes.CDLL(None).__cxa_atexit(hook, None, None)
+        except (OSError, AttributeError):
+            pass
+        # A watchdog no Python code can block: SIGALRM's default action ends
+        # the child even when it is stuck in native code.
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(int(timeout_s))
+        try:
+            fn()
+        except BaseException:
+            code = 1
+        os._exit(code)
+    deadline = time.monotonic() + timeout_s + 5
+    done, status = 0, 0
+    try:
+        while not done:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if not done:
+                if time.monotonic() > deadline:
+                    return Outcome(hung=True)
+                time.sleep(0.001)
+    finally:
+        if not done:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return Outcome(hung=True) if sig == signal.SIGALRM else Outcome(signal=sig)
+    return Outcome(exit_code=os.WEXITSTATUS(status))
