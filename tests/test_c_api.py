@@ -542,6 +542,20 @@ def test_c_client_outputs_match_onnxruntime(driver, shared_device, compiled, exa
     assert int(r["cycles"]) > 0 and r.rc("unload") == 0
 
 
+def test_a_bigger_load_grows_io_buffers_after_the_lock(driver, shared_device, compiled):
+    """As the Python client: only reserve_io is refused once locked; a later
+    load that declares more grows the buffers, and an earlier create_input
+    tensor is still valid memory, copied into the new input_buf."""
+    small, big = compiled("multi_output") / "model.so", compiled("resnet18", kernels=True) / "model.so"
+    r = run(driver, "grow_after_lock", small, big, socket_path=shared_device.path)
+    assert r.rc("load_a") == 0 and r.rc("create_input") == 0 and r.rc("infer_a") == 0 and r["locked"] == "1"
+    assert r.rc("load_b") == 0
+    assert int(r["input_after"]) >= int(r["big_in"]) > int(r["input_before"])
+    assert int(r["output_after"]) >= int(r["big_out"])
+    assert r["kept"] == "1" and r.rc("infer_a_again") == 0 and r["same"] == "1"
+    assert r.rc("reserve_locked") == -errno.EPERM
+
+
 def test_staging_is_taken_on_first_need_and_grows(driver, shared_device, compiled, client_of):
     small, big = compiled("multi_input") / "model.so", compiled("multi_output") / "model.so"
     assert small.stat().st_size < big.stat().st_size
@@ -1138,6 +1152,42 @@ static int cmd_two_loads(const char *a, const char *b) {
     return 0;
 }
 
+/* growth after the lock: a create_input tensor of module a (x (2,32) f32),
+ * an inference (locks), then a bigger module b; a's tensor stays usable */
+static int cmd_grow_after_lock(const char *a, const char *b) {
+    c7x_client_t *c = open_or_die(0);
+    c7x_module_info_t ma, mb;
+    report("load_a", c7x_client_dyn_load_file(c, a, &ma), c);
+    c7x_tensor_desc_t t, out[8], first[8];
+    int64_t shape[2] = {2, 32};
+    report("create_input", c7x_client_create_input(c, 2, shape, 2, 32, &t), c);
+    for (int i = 0; i < 64; i++) ((float *)t.data)[i] = (float)i / 8.0f;
+    c7x_infer_info_t info;
+    report("infer_a", c7x_client_infer(c, ma.handle, 0, &t, 1, out, 8, 0, &info), c);
+    static unsigned char saved[8][4096];
+    uint32_t n = info.num_outputs;
+    for (uint32_t i = 0; i < n && i < 8; i++) {
+        first[i] = out[i];
+        memcpy(saved[i], out[i].data, out[i].data_size < 4096 ? out[i].data_size : 4096);
+    }
+    printf("locked %d\ninput_before %zu\noutput_before %zu\n", c7x_client_io_locked(c),
+           c7x_client_input_capacity(c), c7x_client_output_capacity(c));
+    report("load_b", c7x_client_dyn_load_file(c, b, &mb), c);
+    printf("input_after %zu\noutput_after %zu\nbig_in %llu\nbig_out %llu\n", c7x_client_input_capacity(c),
+           c7x_client_output_capacity(c), (unsigned long long)mb.io_input_bytes,
+           (unsigned long long)mb.io_output_bytes);
+    printf("kept %d\n", ((float *)t.data)[63] == 63.0f / 8.0f);
+    report("infer_a_again", c7x_client_infer(c, ma.handle, 0, &t, 1, out, 8, 0, &info), c);
+    int same = info.num_outputs == n;
+    for (uint32_t i = 0; same && i < n && i < 8; i++)
+        same = out[i].data_size == first[i].data_size &&
+               !memcmp(saved[i], out[i].data, out[i].data_size < 4096 ? out[i].data_size : 4096);
+    printf("same %d\n", same);
+    report("reserve_locked", c7x_client_reserve_io(c, 1 << 24, 1 << 24), c);
+    c7x_client_close(c);
+    return 0;
+}
+
 /* an input living in the KV region (passed in place), then KV_RESIDENT:
  * outputs past the first land in the KV region */
 static int cmd_kv(const char *so, const char *spec, const char *prefix) {
@@ -1453,6 +1503,7 @@ int main(int argc, char **argv) {
     if (!strcmp(c, "infer")) return cmd_infer(argv[2], argv[3], argc - 5, argv + 5, argv[4]);
     if (!strcmp(c, "load")) return cmd_load(argv[2]);
     if (!strcmp(c, "two_loads")) return cmd_two_loads(argv[2], argv[3]);
+    if (!strcmp(c, "grow_after_lock")) return cmd_grow_after_lock(argv[2], argv[3]);
     if (!strcmp(c, "kv")) return cmd_kv(argv[2], argv[3], argv[4]);
     if (!strcmp(c, "hang")) return cmd_hang(argv[2], argv[3], atoi(argv[4]));
     if (!strcmp(c, "ping_bench")) return cmd_ping_bench(atoi(argv[2]));

@@ -163,7 +163,7 @@ def _assert_matches(outs, ref):
 
 def test_one_client_loads_a_bigger_module_after_inferring_with_a_smaller_one(device, client_of, compiled,
                                                                               example_onnx):
-    """SPEC §6: the small module's inference locks capacity, yet the bigger
+    """docs/protocol.md, "Capacity": the small module's inference locks capacity, yet the bigger
     module's declaration still grows both buffers; an array create_input
     handed out before stays valid host memory and is copied from then on."""
     small_dir, big_dir = compiled("multi_output"), compiled("resnet18", kernels=True)

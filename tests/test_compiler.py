@@ -1,5 +1,5 @@
 """The compiler: io_meta and signature symbols, metadata.json, weights files,
-examples, errors, CLI.  Byte layouts are written out by hand from SPEC §5."""
+examples, errors, CLI.  Byte layouts are written out by hand from docs/compiler.md."""
 from __future__ import annotations
 
 import json

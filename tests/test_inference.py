@@ -1,7 +1,7 @@
 """Compiled modules at runtime, end to end through a real device process:
 outputs against onnxruntime, every way a request can be wrong (and the
 device still serving after it), load/unload cycles without leaks, which
-buffers an inference syncs, and the capacity rules of SPEC §6."""
+buffers an inference syncs, and the capacity rules of docs/protocol.md, "Capacity"."""
 from __future__ import annotations
 
 import errno
@@ -462,7 +462,7 @@ def test_module_too_large_for_the_pool_is_err_nomem(client_of, compiled):
         dev.stop()
 
 
-# ================================================================ capacity (SPEC §6)
+# ================================================================ capacity (docs/protocol.md, "Capacity")
 def _sync_state(c):
     return {name: (dict(b.synced), b.sync_calls) for name, b in
             (("staging", c.staging), ("printf", c.printf_buf), ("input", c.input_buf), ("output", c.output_buf))

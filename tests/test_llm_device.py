@@ -100,7 +100,7 @@ def test_seed_io_figures(meta, model_dir):
 
 
 def test_capacity_story_with_default_sizes(model_dir, meta, big_device):
-    """SPEC §5-6: the prefill declaration does not fit beside the default
+    """docs/compiler.md and docs/protocol.md ("Capacity"): the prefill declaration does not fit beside the default
     staging; the load warns with declared vs allocated; reserve_io with the
     metadata's KV-resident figure makes inference work."""
     from dspx.errors import CapacityError, CapacityWarning, OutputTooSmall

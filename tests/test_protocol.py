@@ -1,4 +1,4 @@
-"""The wire layouts of SPEC §4, written out by hand (offsets and sizes), and
+"""The wire layouts of docs/protocol.md, written out by hand (offsets and sizes), and
 the encoder/decoder checked against them — not against itself."""
 import struct
 
@@ -100,7 +100,7 @@ def test_io_meta_layout():
 
 
 def test_io_meta_worked_example_from_spec():
-    """SPEC §5: SmolLM-135M prefill (ids, positions (1,64) int64 + 60 KV (1,3,256,64) f32)."""
+    """docs/compiler.md: SmolLM-135M prefill (ids, positions (1,64) int64 + 60 KV (1,3,256,64) f32)."""
     kv = 3 * 256 * 64 * 4
     assert layout.side_bytes([64 * 8, 64 * 8] + [kv] * 60) == 11_802_496
     assert layout.side_bytes([64 * 49152 * 4] + [kv] * 60) == 24_384_320

@@ -1,7 +1,7 @@
 """host/session.py with no socket: seqs and the stash, failures as typed
-exceptions with their numbers, and the io capacity rules of SPEC §6 with the
+exceptions with their numbers, and the io capacity rules of docs/protocol.md, "Capacity" with the
 input layout of an inference.  Wire bytes and offsets are written out by hand
-from SPEC.md, not produced by the encoder under test."""
+from docs/protocol.md, not produced by the encoder under test."""
 from __future__ import annotations
 
 import errno
@@ -30,7 +30,7 @@ def get_error_resp(seq, error_seq, error_status, text: bytes) -> bytes:
 
 
 def desc(addr, size, code, bits, shape) -> bytes:
-    """One 80-byte tensor descriptor, packed field by field as SPEC §4 lists them."""
+    """One 80-byte tensor descriptor, packed field by field as docs/protocol.md lists them."""
     return (struct.pack("<QQ", addr, size) + struct.pack("<iiii", len(shape), code, bits, 0)
             + b"".join(struct.pack("<q", s) for s in list(shape) + [0] * (6 - len(shape))))
 
@@ -94,7 +94,7 @@ def test_failure_with_an_unknown_status_is_a_plain_device_error():
     assert type(e) is DeviceError and e.status_name == "STATUS(-99)"
 
 
-# ================================================================ capacity (SPEC §6)
+# ================================================================ capacity (docs/protocol.md, "Capacity")
 def with_buffers(input_size=4096, output_size=4096, num_inputs=1) -> IoCapacity:
     io = IoCapacity()
     io.reserve(input_size, output_size, num_inputs)
@@ -173,7 +173,7 @@ def test_input_over_capacity_is_efbig_before_a_plan_exists():
 
 FIVE = [np.zeros((1, 16), np.float32), np.zeros((4, 4), np.float32), np.zeros(3, np.float32),
         np.zeros((1, 16), np.int64), np.zeros(1, np.float16)]
-# SPEC §4/§5: descriptor region 5 x 80 = 400 -> 448, each tensor 64-aligned after it
+# docs/protocol.md, docs/compiler.md: descriptor region 5 x 80 = 400 -> 448, each tensor 64-aligned after it
 FIVE_DESCS = [desc(IN + 448, 64, 2, 32, (1, 16)), desc(IN + 512, 64, 2, 32, (4, 4)), desc(IN + 576, 12, 2, 32, (3,)),
               desc(IN + 640, 128, 0, 64, (1, 16)), desc(IN + 768, 2, 2, 16, (1,))]
 

@@ -16,7 +16,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-# Defaults of SPEC §3 (all configurable).
+# Defaults of docs/protocol.md (all configurable).
 CARVEOUT_BASE = 0xC000_0000
 CARVEOUT_SIZE = 512 << 20
 STAGING_SIZE = 468 << 20

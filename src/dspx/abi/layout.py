@@ -1,7 +1,7 @@
 """Where tensors sit in shared buffers, and the printf ring: the layouts the
 host, the device and the compiler all compute.
 
-io buffers (SPEC §5, §7).  Each side (input_buf, output_buf) starts with a
+io buffers (docs/compiler.md and docs/protocol.md).  Each side (input_buf, output_buf) starts with a
 descriptor region of 80 bytes per tensor, rounded up to 64; then every
 tensor, each starting 64-byte aligned.  The KV region (KV_RESIDENT) packs its
 tensors the same way from its base, with no descriptor region.

@@ -5,7 +5,7 @@ code.
 A module is one ELF shared object exported by TVM, plus:
 
 - ``_binary_tvm_dsp_io_meta_start`` (with ``_end`` and ``_size``, objcopy
-  style): the 40-byte ``IoMeta`` blob (SPEC §5).
+  style): the 40-byte ``IoMeta`` blob (docs/compiler.md).
 - ``_binary_dspx_signature_start`` (with ``_end`` and ``_size``): UTF-8 JSON
   describing the entry, its tensors, the kernels it imports, its workspace and
   its weights (``Signature``).

@@ -296,7 +296,7 @@ class Client:
     def unload_weights(self, model_id: int) -> None:
         self.request(P.ModelUnload(model_id=model_id))
 
-    # ---------------------------------------------------------------- io capacity (SPEC §6)
+    # ---------------------------------------------------------------- io capacity (docs/protocol.md, "Capacity")
     @property
     def io_locked(self) -> bool:
         return self.session.io.locked

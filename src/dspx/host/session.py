@@ -2,7 +2,7 @@
 
 ``Session`` decides what the wire needs and keeps what came back: which seq
 a request gets and which waiter a response belongs to, how a failure becomes
-a typed exception, and (``IoCapacity``) the capacity rules of SPEC §6 with
+a typed exception, and (``IoCapacity``) the capacity rules of docs/protocol.md, "Capacity" with
 where an inference's inputs go.  ``Client`` owns the socket and the dmabufs
 and asks this module what to do, so every rule here is tested with no device.
 """
@@ -85,7 +85,7 @@ SIDES = ("input", "output")
 
 
 class IoCapacity:
-    """input_buf / output_buf capacity (SPEC §6) and where tensors sit in input_buf.
+    """input_buf / output_buf capacity (docs/protocol.md, "Capacity") and where tensors sit in input_buf.
 
     Sizes grow from a module's declaration (DYN_LOAD) whether or not capacity
     is locked; ``reserve`` only until the first successful use locks it.

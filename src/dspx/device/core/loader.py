@@ -254,7 +254,7 @@ class MappedModule:
         return self.call(self.prepare(inputs, weights)[0])
 
     def unload(self) -> None:
-        """SPEC §5 order: last outputs, the model slot (weights), the
+        """docs/compiler.md order: last outputs, the model slot (weights), the
         constants (held by the VM executable), then the code segments."""
         self._last_outputs = None
         self._weights = None

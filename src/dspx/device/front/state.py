@@ -159,7 +159,7 @@ class DeviceState:
         self._maybe_reset_pool()
 
     def _maybe_reset_pool(self) -> None:
-        # SPEC §5: pools are reset when nothing is loaded, so back-to-back
+        # docs/compiler.md: pools are reset when nothing is loaded, so back-to-back
         # load cycles start from the same figures.
         if not any(m.kind == "module" for m in self.modules.values()) and not self.models:
             self.ddr.used = 0

@@ -1,5 +1,5 @@
 /* libdspx: the TI-shaped client (c7x_client_*), same flow and capacity
- * rules as src/dspx/host/client.py (SPEC §6):
+ * rules as src/dspx/host/client.py (docs/protocol.md, "Capacity"):
  *   open: PING (major version check), printf ring + SET_PRINTF_BUF;
  *   first DYN_LOAD / MODEL_LOAD: staging buffer (ATTACH_STAGING, sized to
  *   need, KV region at its end); DYN_LOAD's io fields size input_buf /
@@ -18,6 +18,8 @@
 #include "c7x_client.h"
 #include "dspx_internal.h"
 
+#define RETIRED_MAX 8
+
 struct c7x_client {
     dspx_conn_t conn;
     c7x_client_opts_t opts;
@@ -27,6 +29,10 @@ struct c7x_client {
     size_t input_data_offset, create_input_end;
     uint32_t declared_inputs;
     int io_locked;
+    /* input_bufs replaced after the lock: create_input tensors may still point
+     * into them, so their mappings live until close (detached from the device) */
+    dspx_buf_t retired[RETIRED_MAX];
+    int n_retired;
 };
 
 #define KV_DEFAULT ((size_t)DSPX_WIRE_KV_SIZE)
@@ -80,6 +86,7 @@ DSPX_API void c7x_client_close(c7x_client_t *c) {
     dspx_buf_release(&c->staging);
     dspx_buf_release(&c->input_buf);
     dspx_buf_release(&c->output_buf);
+    for (int i = 0; i < c->n_retired; i++) dspx_buf_release(&c->retired[i]);
     dspx_conn_close(&c->conn);
     free(c);
 }
@@ -240,7 +247,16 @@ static int grow(c7x_client_t *c, int input, size_t want, uint32_t num_inputs) {
     if (rc) return rc;
     if (cur->fd >= 0) {
         dspx_detach(&c->conn, cur);
-        dspx_buf_release(cur);
+        if (input && c->io_locked) {  /* keep create_input tensors readable: they are copied from now on */
+            if (c->n_retired == RETIRED_MAX) {
+                dspx_buf_release(&c->retired[0]);
+                memmove(c->retired, c->retired + 1, sizeof c->retired[0] * (RETIRED_MAX - 1));
+                c->n_retired--;
+            }
+            c->retired[c->n_retired++] = *cur;
+        } else {
+            dspx_buf_release(cur);
+        }
     }
     *cur = nb;
     if (input) {
@@ -254,15 +270,6 @@ static int grow(c7x_client_t *c, int input, size_t want, uint32_t num_inputs) {
 static void declare_io(c7x_client_t *c, uint64_t in, uint64_t out, uint32_t num_inputs) {
     char why[2][DSPX_ERR_LEN];
     int shortfall = 0;
-    if (c->io_locked) {
-        /* create_input tensors and outputs live in the current buffers */
-        if (in > capacity(&c->input_buf) || out > capacity(&c->output_buf))
-            fprintf(stderr, "libdspx: warning: module declares input %llu / output %llu bytes but capacity is "
-                            "locked at %zu / %zu\n",
-                    (unsigned long long)in, (unsigned long long)out, capacity(&c->input_buf),
-                    capacity(&c->output_buf));
-        return;
-    }
     for (int side = 0; side < 2; side++) {
         uint64_t want = side == 0 ? in : out;
         why[side][0] = 0;

@@ -116,7 +116,7 @@ int c7x_client_model_load(c7x_client_t *c, const void *weights, size_t size, uin
 int c7x_client_model_load_file(c7x_client_t *c, const char *path, uint32_t *model_id, uint32_t *num_constants);
 int c7x_client_model_unload(c7x_client_t *c, uint32_t model_id);
 
-/* ---- io capacity (SPEC §6) */
+/* ---- io capacity (docs/protocol.md, "Capacity") */
 int c7x_client_reserve_io(c7x_client_t *c, size_t input_bytes, size_t output_bytes);
 size_t c7x_client_get_input_data_offset(const c7x_client_t *c);
 size_t c7x_client_input_capacity(const c7x_client_t *c);
