@@ -274,7 +274,7 @@ def test_infer_is_planned_once_and_replayed_until_the_buffers_change(front):
     req = infer_req(base, h, 4096, [_desc(base + 128)])
     data = req.encode()
     key = Handlers.plan_key(front.conn, P.MsgType.INFER, data)
-    job = submitted(front.h.h_infer(front.conn, req, [], key=key))
+    job = submitted(front.h.handle(front.conn, req, [], key))
     spec = job.plan.spec
     assert isinstance(job.rec, jobs.Call) and job.rec.seq == req.seq
     buf_id = front.conn.bufs[base].buf_id
@@ -301,7 +301,7 @@ def test_infer_large_keys_include_the_descriptor_table(front):
     mm[:80] = _desc(base + 192).encode()
     k2 = Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, req.encode())
     assert k1 != k2
-    job = submitted(front.h.h_infer_large(front.conn, req, [], key=k2))
+    job = submitted(front.h.handle(front.conn, req, [], k2))
     assert job.plan.spec.inputs[0][1] == 192  # the table as read for the key, not re-read later
 
 

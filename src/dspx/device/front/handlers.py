@@ -100,8 +100,12 @@ class Handlers:
         self.job_timeout_s = job_timeout_s
         self._table = {t.value: getattr(self, "h_" + t.name.lower()) for t in P.MsgType}
 
-    def handle(self, conn: Conn, req: P.Message, fds: list) -> list:
+    def handle(self, conn: Conn, req: P.Message, fds: list, key: bytes | None = None) -> list:
+        """``key``: the request's plan key (INFER, INFER_LARGE, RPC), to keep
+        the plan this request becomes under."""
         try:
+            if key is not None:
+                return self._table[req.TYPE](conn, req, fds, key=key)
             return self._table[req.TYPE](conn, req, fds)
         except Reject as e:
             return failure(conn, req, e)

@@ -530,14 +530,7 @@ class Service:
             conn.last_error = (e.seq or 0, int(e.status), str(e))
             self._send(conn, P.error_response(e.msg_type, e.seq, e.status))
             return
-        if key is not None:
-            try:
-                actions = self.handlers._table[req.TYPE](conn, req, fds, key=key)
-            except Reject as e:
-                actions = failure(conn, req, e)
-        else:
-            actions = self.handlers.handle(conn, req, fds)
-        self._apply(conn, actions)
+        self._apply(conn, self.handlers.handle(conn, req, fds, key))
 
     def _send(self, conn: Conn, data: bytes) -> None:
         if conn.closed:
@@ -599,7 +592,11 @@ class Service:
                 conn.inflight -= 1
         if conn.inflight == 0:
             self._release_conn(conn, notify_cores)
-        # else: its job still runs on a core; housekeeping asks the core to abort it
+        else:  # its job still runs on a core: ask the core to abort it now
+            now = time.monotonic()
+            for c in self.cores:
+                if c.running is not None and c.running.conn is conn:
+                    self._check_running(c, now)
 
     def _release_conn(self, conn: Conn, notify_cores: bool = True) -> None:
         """Free everything the connection held: models, modules, buffers."""
