@@ -129,23 +129,6 @@ def dev2():
     d.stop()
 
 
-def _wide_onnx(path):
-    """x (1, 64) -> small (1, 64), mid (96, 64), big (192, 64)."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    f32 = TensorProto.FLOAT
-    nodes = [helper.make_node("Mul", ["x", "two"], ["small"]),
-             helper.make_node("Expand", ["x", "s1"], ["mid"]),
-             helper.make_node("Expand", ["x", "s2"], ["big"])]
-    inits = [numpy_helper.from_array(np.array(2, np.float32), "two"),
-             numpy_helper.from_array(np.array([96, 64], np.int64), "s1"),
-             numpy_helper.from_array(np.array([192, 64], np.int64), "s2")]
-    outs = [helper.make_tensor_value_info(n, f32, s) for n, s in
-            (("small", [1, 64]), ("mid", [96, 64]), ("big", [192, 64]))]
-    g = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", f32, [1, 64])], outs, inits)
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return path
 
 
 WIDE_IN, WIDE_OUT = 384, 74240  # io_meta: 128 + 256 | 256 + 256 + 24576 + 49152
@@ -154,10 +137,11 @@ WIDE_IN, WIDE_OUT = 384, 74240  # io_meta: 128 + 256 | 256 + 256 + 24576 + 49152
 @pytest.fixture(scope="module")
 def wide_bare(tmp_path_factory, compiled) -> Path:
     """The wide module with its io_meta symbol renamed away: no declaration."""
+    from dspx.compiler import examples
     from dspx.compiler.onnx import compile_onnx
 
     d = tmp_path_factory.mktemp("wide")
-    compile_onnx(_wide_onnx(d / "wide.onnx"), d / "out", kernels=False, progress=False)
+    compile_onnx(examples.wide(d / "wide.onnx"), d / "out", kernels=False, progress=False)
     bare = d / "bare"
     bare.mkdir()
     so = _dynstr_rename((d / "out" / "model.so").read_bytes(), "_binary_tvm_dsp_io_meta_start",

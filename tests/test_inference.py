@@ -120,31 +120,15 @@ def _without_io_meta(so: bytes) -> bytes:
 
 
 # ---------------------------------------------------------------- a module with large outputs
-def _wide_onnx(path):
-    """x (1, 64) -> small (1, 64), mid (96, 64), big (192, 64): outputs past one page."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    f32 = TensorProto.FLOAT
-    nodes = [helper.make_node("Mul", ["x", "two"], ["small"]),
-             helper.make_node("Expand", ["x", "s1"], ["mid"]),
-             helper.make_node("Expand", ["x", "s2"], ["big"])]
-    inits = [numpy_helper.from_array(np.array(2, np.float32), "two"),
-             numpy_helper.from_array(np.array([96, 64], np.int64), "s1"),
-             numpy_helper.from_array(np.array([192, 64], np.int64), "s2")]
-    outs = [helper.make_tensor_value_info(n, f32, s) for n, s in
-            (("small", [1, 64]), ("mid", [96, 64]), ("big", [192, 64]))]
-    g = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", f32, [1, 64])], outs, inits)
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return path
 
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory, compiled):  # `compiled` first: it owns the TVM import
+    from dspx.compiler import examples
     from dspx.compiler.onnx import compile_onnx
 
     d = tmp_path_factory.mktemp("wide")
-    compile_onnx(_wide_onnx(d / "wide.onnx"), d / "out", kernels=False, progress=False)
+    compile_onnx(examples.wide(d / "wide.onnx"), d / "out", kernels=False, progress=False)
     return d / "out"
 
 

@@ -135,6 +135,22 @@ def multi_output_model(seed: int = SEED) -> onnx.ModelProto:
                    [helper.make_tensor_value_info(n, t, s) for n, (_, t, s) in outs.items()])
 
 
+def wide_model() -> onnx.ModelProto:
+    """x (1, 64) -> small (1, 64), mid (96, 64), big (192, 64): outputs past
+    one page, for capacity tests (output over capacity, result_required)."""
+    f32 = TensorProto.FLOAT
+    nodes = [helper.make_node("Mul", ["x", "two"], ["small"]),
+             helper.make_node("Expand", ["x", "s1"], ["mid"]),
+             helper.make_node("Expand", ["x", "s2"], ["big"])]
+    inits = [numpy_helper.from_array(np.array(2, np.float32), "two"),
+             numpy_helper.from_array(np.array([96, 64], np.int64), "s1"),
+             numpy_helper.from_array(np.array([192, 64], np.int64), "s2")]
+    outs = [helper.make_tensor_value_info(n, f32, s) for n, s in
+            (("small", [1, 64]), ("mid", [96, 64]), ("big", [192, 64]))]
+    g = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", f32, [1, 64])], outs, inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def _save(model: onnx.ModelProto, path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,6 +168,10 @@ def multi_input(path) -> Path:
 
 def multi_output(path) -> Path:
     return _save(multi_output_model(), path)
+
+
+def wide(path) -> Path:
+    return _save(wide_model(), path)
 
 
 EXAMPLES = {"resnet18": resnet18, "multi_input": multi_input, "multi_output": multi_output}
