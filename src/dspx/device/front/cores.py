@@ -32,6 +32,8 @@ class CoreProc:
         self.proc: subprocess.Popen | None = None
         self.ready = False
         self.restarts = 0
+        self.start_failures = 0  # restarts in a row that could not start a process
+        self.retry_at = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -119,6 +121,7 @@ class CoreProc:
         self._drop_queue()
         if self.ep:
             self.ep.close()
+        self.ep = None
         self.ready = False
 
     def stop(self, timeout: float = 3.0) -> None:

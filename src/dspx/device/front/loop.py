@@ -137,7 +137,10 @@ class Service:
             for _, _, job in expired:
                 self._fail(job, S.ERR_TIMEOUT, "task timed out before a core could start it")
         for c in self.cores:
-            if c.proc and c.proc.poll() is not None and c.ready:
+            if c.ep is None:  # a restart that failed (e.g. out of fds): try again
+                if now >= c.retry_at:
+                    self._restart(c, now)
+            elif c.proc and c.proc.poll() is not None:  # died, ready or still starting
                 self._core_died(c)
             else:
                 self._check_running(c, now)
@@ -166,6 +169,7 @@ class Service:
         if not isinstance(rec, jobs.Hello):
             raise RuntimeError(f"core {c.index} did not start: {rec!r}")
         c.ready = True
+        c.start_failures = 0
         for cmd, name, lat in rec.ops:  # the firmware's built-in operators
             self.st.op_table.setdefault(cmd, (name, lat, 0))
         for handle, (src, fname) in sorted(self.st.op_sources.items()):
@@ -174,6 +178,7 @@ class Service:
     def _core_died(self, c: CoreProc) -> None:
         code = c.proc.poll() if c.proc else None
         self.log(f"core {c.index} died (exit {code}); restarting")
+        started = c.ready
         self._unregister(c.ep.fileno())
         c.close_channel()
         job, timed_out = c.running, c.timed_out
@@ -198,11 +203,23 @@ class Service:
             if conn is not None:
                 self._apply(conn, self.handlers.invalidate(conn))
         c.restarts += 1
+        if started:
+            self._restart(c, time.monotonic())
+        else:  # it died before it said hello: do not restart it in a loop
+            c.start_failures += 1
+            c.retry_at = time.monotonic() + min(5.0, 0.1 * 2 ** c.start_failures)
+        self._schedule()
+
+    def _restart(self, c: CoreProc, now: float) -> None:
+        """Start the core again; if it cannot start, retry later with a growing backoff."""
         try:
             self._start_core(c, wait=False)
-        except OSError as e:  # e.g. out of fds: the next housekeeping pass retries
-            self.log(f"core {c.index} could not be restarted: {e}")
-        self._schedule()
+        except OSError as e:  # e.g. out of fds
+            c.ep, c.ready = None, False
+            c.start_failures += 1
+            delay = min(5.0, 0.1 * 2 ** c.start_failures)
+            c.retry_at = now + delay
+            self.log(f"core {c.index} could not be restarted ({e}); retrying in {delay:.1f} s")
 
     def _on_core(self, c: CoreProc, events: int) -> None:
         if events & _EPOLLOUT and c.flush():
@@ -212,7 +229,7 @@ class Service:
 
     def _drain_core(self, c: CoreProc) -> None:
         """Take every record the core has sent."""
-        while c.ep is not None and c.ready is not None:
+        while c.ep is not None:
             try:
                 rec, fds = jobs.recv(c.ep)
             except Timeout:
