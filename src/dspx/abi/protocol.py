@@ -29,7 +29,7 @@ FLAG_KV_RESIDENT = 1 << 16
 INFER_FLAGS_RESERVED = 0xFFFE0000
 
 # DYN_LOAD flags (extension): bit 0 = the staged bytes are an op library
-# (Python source) rather than an ELF module.
+# (Python source, or a native library built with dspx build-ops) rather than a compiled module.
 DYN_LOAD_OP_LIBRARY = 1 << 0
 
 # RPC core choice
