@@ -30,6 +30,7 @@ OPS = textwrap.dedent("""
 
     @rt.register_op(0x3A01)
     def spin(inp, out, tm):
+        out[:4] = np.frombuffer(b"RUN!", np.uint8)  # tells the victim it runs
         ms = int(np.frombuffer(inp, np.int32, count=1)[0])
         t0 = rt.cycles()
         while rt.cycles() - t0 < ms * 1_000_000:
@@ -39,6 +40,7 @@ OPS = textwrap.dedent("""
     @rt.register_op(0x3A02)
     def stubborn(inp, out, tm):
         # Swallows the abort request: only killing its core stops it.
+        out[:4] = np.frombuffer(b"RUN!", np.uint8)
         ms = int(np.frombuffer(inp, np.int32, count=1)[0])
         t0 = rt.cycles()
         while rt.cycles() - t0 < ms * 1_000_000:
@@ -81,6 +83,10 @@ VICTIM = textwrap.dedent("""
         inp, out = t.malloc(4), t.malloc(8)
         inp.view(np.int32, 1)[0] = 30_000
         task = t.submit(t.rpc(int(phase, 0), inp, out), core=1)
+        import time
+        deadline = time.monotonic() + 30  # core 1 may still be restarting from an earlier test
+        while bytes(out.vir[:4]) != b"RUN!" and time.monotonic() < deadline:
+            time.sleep(0.001)
         print("ready", flush=True)
         t.wait(task, 60_000)
 """)
