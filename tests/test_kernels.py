@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import tvm  # noqa: E402
+from dspx.abi import kernels as ABI  # noqa: E402
 from dspx.device.core import kernels as K  # noqa: E402
 
 K.register_all()
@@ -376,7 +377,7 @@ def test_silu_mul():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", [K.ROPE_HALF, K.ROPE_INTERLEAVED])
+@pytest.mark.parametrize("mode", [ABI.ROPE_HALF, ABI.ROPE_INTERLEAVED])
 def test_rope(mode):
     s, h, d, theta = 3, 2, 8, 10000.0
     x = rand(1, s, h, d)
@@ -385,7 +386,7 @@ def test_rope(mode):
     for i, p in enumerate(pos):
         for j in range(d // 2):
             ang = p * theta ** (-2 * j / d)
-            a, b = ((j, j + d // 2) if mode == K.ROPE_HALF else (2 * j, 2 * j + 1))
+            a, b = ((j, j + d // 2) if mode == ABI.ROPE_HALF else (2 * j, 2 * j + 1))
             xa, xb = x[0, i, :, a].astype(np.float64), x[0, i, :, b].astype(np.float64)
             ref[0, i, :, a] = xa * np.cos(ang) - xb * np.sin(ang)
             ref[0, i, :, b] = xb * np.cos(ang) + xa * np.sin(ang)

@@ -144,6 +144,29 @@ def test_priorities_drain_highest_first(dev2, test_lib):
         assert order == sorted(prios, reverse=True)
 
 
+def test_a_running_op_past_its_limit_is_stopped_without_costing_its_core():
+    """A Python op past its limit is interrupted in its own code (ERR_TIMEOUT)
+    and its core serves the next task: under --job-timeout, and under the
+    task's own timeout_ms."""
+    import psutil
+
+    d = Device("--carveout-size", "64M", "--cores", "1", "--job-timeout", "0.3")
+    try:
+        with Tasks(socket=d.path) as u:
+            u.load_ops(TEST_OPS)
+            cores = {p.pid for p in psutil.Process(d.proc.pid).children()}
+            for timeout_ms in (0, 200):  # the device's limit, then the task's own
+                t = u.submit(u.rpc(0x3001, i32(u.malloc(4), 30_000), u.malloc(8)), timeout_ms=timeout_ms)
+                with pytest.raises(Exception) as e:
+                    u.wait(t, 20_000)
+                assert getattr(e.value, "status_name", "") == "ERR_TIMEOUT", e.value
+            ok = u.run(0x3001, i32(u.malloc(4), 10), u.malloc(8))  # 10 ms: within the limit
+            assert ok.state == "released"
+            assert {p.pid for p in psutil.Process(d.proc.pid).children()} == cores  # no core was killed
+    finally:
+        d.stop()
+
+
 def test_wait_timeout_and_device_side_queue_timeout(dev2, test_lib):
     with Tasks(socket=dev2.path) as u:
         long = u.submit(u.rpc(0x3001, i32(u.malloc(4), 400), u.malloc(8)), core=1)

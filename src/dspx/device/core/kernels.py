@@ -34,8 +34,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-from ...abi.kernels import (ACT_NONE, ACT_RELU, IN_BLOCKED, KERNELS as ABI, LAYOUT_NCHW,  # noqa: F401
-                           LAYOUT_NHWC, OUT_BLOCKED, PREFIX, RES_BLOCKED, ROPE_HALF, ROPE_INTERLEAVED)
+from ...abi.kernels import (ACT_NONE, ACT_RELU, IN_BLOCKED, KERNELS as ABI, LAYOUT_NCHW, LAYOUT_NHWC,
+                           OUT_BLOCKED, PREFIX, RES_BLOCKED, ROPE_HALF)
 
 
 class KernelError(ValueError):

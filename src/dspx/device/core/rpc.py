@@ -6,7 +6,7 @@ import numpy as np
 
 from ... import memory
 from ...abi import layout, protocol as P
-from ...abi.ops import FAULT_CRASH_CMD, FAULT_INJECTION_ENV
+from ...abi.ops import FAULT_CRASH_CMD
 from ...abi.protocol import Status
 from ...memory import AddressSpace, Region
 from . import builtin_ops, ops, runtime
@@ -53,5 +53,3 @@ def _fault_crash(inp, out, tm) -> int:
     import os
     os._exit(70)
 
-
-__all__ = ["CoreOps", "Prepared", "FAULT_INJECTION_ENV"]

@@ -238,10 +238,10 @@ class CoreWorker:
 
     def call(self, rec: jobs.Call) -> None:
         """Run a call, tell the front it ended, then answer the client."""
-        status, error, numbers, resp = Status.SUCCESS, "", {}, None
-        spec = rec.spec or getattr(self.plans.get(rec.plan), "spec", None)
+        status, error, numbers, resp, spec = Status.SUCCESS, "", {}, None, rec.spec
         try:
             plan = self._plan(rec)
+            spec = plan.spec
             if isinstance(spec, jobs.InferSpec):
                 from .inference import InferFailed
                 try:

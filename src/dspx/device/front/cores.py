@@ -31,7 +31,6 @@ class CoreProc:
         self.ep: Endpoint | None = None
         self.proc: subprocess.Popen | None = None
         self.ready = False
-        self.restarts = 0
         self.start_failures = 0  # restarts in a row that could not start a process
         self.retry_at = 0.0
         self._reset()

@@ -52,7 +52,6 @@ class FrontJob:
     plan: Plan | None = None
     req_type: int = 0  # a Call's request type (its req is not decoded on replay)
     queued_at: float = 0.0
-    started_at: float = 0.0
 
 
 @dataclass

@@ -202,7 +202,6 @@ class Service:
             conn = self.st.conns.get(cid)
             if conn is not None:
                 self._apply(conn, self.handlers.invalidate(conn))
-        c.restarts += 1
         if started:
             self._restart(c, time.monotonic())
         else:  # it died before it said hello: do not restart it in a loop
@@ -384,7 +383,6 @@ class Service:
         fds += [b.fd for b in new]
         c.known_bufs.update(b.buf_id for b in new)
         c.running = job
-        job.started_at = time.monotonic()
         c.want_done(bool(self.pending))
         self._inflight[rec.job] = job
         if not c.send(rec, fds):
