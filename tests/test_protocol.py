@@ -16,7 +16,7 @@ LAYOUTS = [
     (P.StatusResp, 0x1003, 32, [(16, "I", "version", 0x030000), (20, "I", "uptime_ms", 5),
                                 (24, "I", "jobs_completed", 7), (28, "I", "jobs_failed", 2)]),
     (P.DynLoad, 0x0010, 32, [(16, "I", "elf_size", 47_000_000), (20, "I", "flags", 1),
-                             (24, "I", "reserved0", 0), (28, "I", "reserved1", 0)]),
+                             (24, "I", "reserved0", 5), (28, "I", "reserved1", 6)]),
     (P.DynLoadResp, 0x1010, 68, [(16, "I", "module_handle", 3), (20, "I", "text_size", 100),
                                  (24, "I", "data_size", 200), (28, "I", "oom_requested", 11),
                                  (32, "I", "oom_free", 12), (36, "I", "oom_total", 13),
@@ -25,33 +25,66 @@ LAYOUTS = [
                                  (64, "I", "io_flags", 1)]),
     (P.DynUnload, 0x0012, 20, [(16, "I", "module_handle", 9)]),
     (P.DynUnloadResp, 0x1012, 16, []),
-    (P.ModelLoad, 0x0020, 32, [(16, "I", "weights_size", 999), (20, "I", "flags", 0)]),
+    (P.ModelLoad, 0x0020, 32, [(16, "I", "weights_size", 999), (20, "I", "flags", 2), (24, "I", "reserved0", 3),
+                               (28, "I", "reserved1", 4)]),
     (P.ModelLoadResp, 0x1020, 36, [(16, "I", "model_id", 4), (20, "I", "num_constants", 60),
                                    (24, "I", "oom_requested", 1), (28, "I", "oom_free", 2), (32, "I", "oom_total", 3)]),
     (P.ModelUnload, 0x0022, 20, [(16, "I", "model_id", 4)]),
     (P.ModelUnloadResp, 0x1022, 16, []),
-    (P.Infer, 0x0021, 64, [(16, "I", "module_handle", 1), (20, "I", "model_id", 0), (24, "I", "num_inputs", 0),
+    (P.Infer, 0x0021, 64, [(16, "I", "module_handle", 1), (20, "I", "model_id", 2), (24, "I", "num_inputs", 0),
                            (28, "I", "flags", 0x10003), (32, "Q", "input_dsp_addr", 0xC1000000),
                            (40, "Q", "input_size", 4096), (48, "Q", "result_dsp_addr", 0xC2000000),
                            (56, "Q", "result_size", 8192)]),
     (P.InferLarge, 0x0023, 80, [(16, "I", "module_handle", 1), (20, "I", "model_id", 2), (24, "I", "num_inputs", 62),
                                 (28, "I", "flags", 1 << 16), (32, "Q", "descs_addr", 0xC1000000),
-                                (40, "I", "descs_size", 4960), (44, "I", "reserved", 0),
-                                (48, "Q", "input_dsp_addr", 0xC1000000), (56, "Q", "input_size", 11_802_496),
+                                (40, "I", "descs_size", 4960), (44, "I", "reserved", 8),
+                                (48, "Q", "input_dsp_addr", 0xC0F00000), (56, "Q", "input_size", 11_802_496),
                                 (64, "Q", "result_dsp_addr", 0xC2000000), (72, "Q", "result_size", 12_583_040)]),
     (P.InferResp, 0x1021, 68, [(16, "i", "return_value", -1), (20, "Q", "cycles", 2**40 + 5),
-                               (28, "I", "num_outputs", 0), (32, "I", "printf_size", 77),
-                               (36, "Q", "descs_addr", 0xC2000000), (44, "I", "descs_size", 0),
+                               (28, "I", "num_outputs", 6), (32, "I", "printf_size", 77),
+                               (36, "Q", "descs_addr", 0xC2000000), (44, "I", "descs_size", 480),
                                (48, "I", "oom_requested", 1), (52, "I", "oom_free", 2), (56, "I", "oom_total", 3),
                                (60, "Q", "result_required", 24_384_320)]),
     (P.SetPrintfBuf, 0x0030, 32, [(16, "Q", "printf_dsp_addr", 0xDE000000), (24, "I", "printf_size", 65536),
-                                  (28, "I", "reserved", 0)]),
+                                  (28, "I", "reserved", 9)]),
     (P.SetPrintfBufResp, 0x1030, 16, []),
+    (P.InferLargeResp, 0x1023, 68, [(16, "i", "return_value", 7), (20, "Q", "cycles", 2**33 + 9),
+                                    (28, "I", "num_outputs", 61), (32, "I", "printf_size", 12),
+                                    (36, "Q", "descs_addr", 0xC2000040), (44, "I", "descs_size", 4880),
+                                    (48, "I", "oom_requested", 4), (52, "I", "oom_free", 5), (56, "I", "oom_total", 6),
+                                    (60, "Q", "result_required", 2**35 + 64)]),
+    # Extensions (docs/protocol.md, "Extensions"): every field a distinct value, so
+    # two fields swapped on the wire fail.
+    (P.BufAttach, 0x0040, 32, [(16, "Q", "size", 2**33 + 4096), (24, "I", "flags", 1), (28, "I", "kv_size", 12 << 20)]),
+    (P.BufAttachResp, 0x1040, 32, [(16, "Q", "dsp_addr", 0xDD400000), (24, "Q", "size", 2**32 + 64)]),
+    (P.BufDetach, 0x0041, 24, [(16, "Q", "dsp_addr", 0xC0001000)]),
+    (P.BufDetachResp, 0x1041, 16, []),
+    (P.Rpc, 0x0050, 64, [(16, "I", "cmd", 0x1402), (20, "i", "core", -1), (24, "I", "priority", 200),
+                         (28, "I", "timeout_ms", 5000), (32, "Q", "input_dsp_addr", 0xC0000000),
+                         (40, "Q", "input_size", 13), (48, "Q", "output_dsp_addr", 0xC1000000),
+                         (56, "Q", "output_size", 256)]),
+    (P.RpcResp, 0x1050, 40, [(16, "i", "return_value", -3), (20, "I", "core", 1), (24, "Q", "cycles", 2**40 + 1),
+                             (32, "I", "printf_size", 99), (36, "I", "queued_us", 1234)]),
+    (P.OpsLoad, 0x0051, 40, [(16, "Q", "src_dsp_addr", 0xC0008000), (24, "Q", "src_size", 131072),
+                             (32, "I", "flags", 2), (36, "I", "reserved", 3)]),
+    (P.OpsLoadResp, 0x1051, 28, [(16, "I", "lib_handle", 17), (20, "I", "num_ops", 3), (24, "i", "error_line", -4)]),
+    (P.OpsList, 0x0052, 20, [(16, "I", "start", 9)]),
+    (P.OpsListResp, 0x1052, 24, [(16, "I", "total", 12), (20, "I", "count", 0)]),
+    (P.GetError, 0x0060, 16, []),
+    (P.GetErrorResp, 0x1060, 24, [(16, "I", "error_seq", 41), (20, "i", "error_status", -6)]),
+    (P.PoolStatus, 0x0061, 16, []),
+    (P.PoolStatusResp, 0x1061, 88, [(16, "Q", "ddr_total", 2**30), (24, "Q", "ddr_used", 5 << 20),
+                                    (32, "Q", "ddr_peak", 7 << 20), (40, "Q", "carveout_total", 2**31),
+                                    (48, "Q", "carveout_used", 1_183_744), (56, "I", "l2_total", 1 << 20),
+                                    (60, "I", "l2_used", 64), (64, "I", "connections", 2), (68, "I", "modules", 3),
+                                    (72, "I", "cores", 4), (76, "I", "op_count", 5), (80, "Q", "rss_bytes", 2**34 + 3)]),
 ]
 
 
 @pytest.mark.parametrize("cls,code,size,fields", LAYOUTS, ids=[c[0].__name__ for c in LAYOUTS])
 def test_layout_against_spec(cls, code, size, fields):
+    values = [v for *_, v in fields]
+    assert len(set(values)) == len(values), "distinct values, or a swap of two fields goes unseen"
     msg = cls(seq=0xA5A5, status=-3, **{name: value for _, _, name, value in fields})
     raw = msg.encode()
     assert len(raw) == size == cls.fixed_size()
@@ -146,6 +179,30 @@ def test_decode_errors(data, status, seq):
 def test_unknown_type_error_response():
     raw = P.error_response(0x77, 5, Status.ERR_OP)
     assert raw == struct.pack("<IIIi", 0x1077, 5, 16, -8)
+
+
+def test_every_message_class_has_a_hand_written_layout():
+    """A message added to protocol.py without its offsets here fails."""
+    assert {c[0] for c in LAYOUTS} == set(P._REGISTRY.values())
+
+
+def test_ops_list_entries_layout():
+    """OPS_LIST_RESP entries after the 24-byte head: cmd u32, latency_us u32,
+    lib_handle u32, flags u32, name char[32] (48 bytes each)."""
+    entries = [(0x1402, 500, 0, 0, "softmax"), (0x2402, 7, 9, 0, "x" * 32)]
+    raw = P.OpsListResp(seq=3, total=40, count=2, payload=P.OpsListResp.pack_entries(entries)).encode()
+    hand = struct.pack("<IIIi", 0x1052, 3, 24 + 96, 0) + struct.pack("<II", 40, 2)
+    hand += struct.pack("<IIII", 0x1402, 500, 0, 0) + b"softmax".ljust(32, b"\0")
+    hand += struct.pack("<IIII", 0x2402, 7, 9, 0) + b"x" * 32
+    assert raw == hand
+    assert P.decode(hand).entries() == entries
+    assert P.OpsListResp.MAX_ENTRIES == (512 - 24) // 48 == 10
+
+
+def test_get_error_text_layout():
+    raw = P.GetErrorResp(seq=4, error_seq=3, error_status=-6, payload=b"input range 0x0+8").encode()
+    assert raw == struct.pack("<IIIiIi", 0x1060, 4, 24 + 17, 0, 3, -6) + b"input range 0x0+8"
+    assert P.GetErrorResp.MAX_TEXT == 488
 
 
 def test_extension_messages_fit_and_roundtrip():
