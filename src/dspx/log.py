@@ -1,0 +1,42 @@
+"""One logging setup for the host CLI and the device processes it starts.
+
+``setup(verbose, level)`` configures the ``dspx`` logger to write
+``dspx: LEVEL: message`` lines to stderr and exports the level as
+``$DSPX_LOG_LEVEL``, so a device started by this process (``dspx serve``, a
+private device) logs at the same level; ``setup()`` with no arguments reads it
+back there."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+ENV = "DSPX_LOG_LEVEL"
+LEVELS = ("debug", "info", "warning", "error")
+
+
+def level_of(verbose: int = 0, level: str | None = None) -> int:
+    if level:
+        return getattr(logging, level.upper())
+    if verbose:
+        return logging.INFO if verbose == 1 else logging.DEBUG
+    env = os.environ.get(ENV, "").upper()
+    return getattr(logging, env) if env in {n.upper() for n in LEVELS} else logging.WARNING
+
+
+def setup(verbose: int = 0, level: str | None = None, prefix: str = "dspx") -> logging.Logger:
+    lvl = level_of(verbose, level)
+    log = logging.getLogger("dspx")
+    log.setLevel(lvl)
+    if not any(getattr(h, "_dspx", False) for h in log.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h._dspx = True
+        h.setFormatter(logging.Formatter(f"{prefix}: %(levelname)s: %(message)s"))
+        log.addHandler(h)
+        log.propagate = False
+    os.environ[ENV] = logging.getLevelName(lvl).lower()
+    return log
+
+
+def debug_enabled() -> bool:
+    return logging.getLogger("dspx").isEnabledFor(logging.DEBUG)
