@@ -48,7 +48,7 @@ def _stats(res) -> str:
 
 @click.command("generate")
 @click.argument("prompt")
-@click.option("--max-tokens", "-n", default=128, show_default=True)
+@click.option("--max-tokens", "-n", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--raw", is_flag=True, help="do not apply the chat template")
 @common
 @click.option("--json", "as_json", is_flag=True, help="one JSON line instead of streamed text")
