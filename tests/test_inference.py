@@ -410,7 +410,7 @@ def test_unknown_or_foreign_handles_are_err_handle(loaded, shared_device, client
     _still_runs(c, handle, x)
 
 
-@pytest.mark.parametrize("flags", [1 << 17, 1 << 31, P.INFER_FLAGS_RESERVED | 1])
+@pytest.mark.parametrize("flags", [1 << 18, 1 << 31, P.INFER_FLAGS_RESERVED | 1])
 def test_reserved_infer_flags_are_err_invalid(loaded, flags):
     c, handle, x = loaded
     with pytest.raises(InvalidRequest, match="reserved bits") as ei:

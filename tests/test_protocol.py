@@ -159,7 +159,8 @@ def test_status_codes():
 
 
 def test_infer_flags():
-    assert P.FLAG_KV_RESIDENT == 0x10000 and P.REPEAT_MASK == 0xFFFF and P.INFER_FLAGS_RESERVED == 0xFFFE0000
+    assert P.FLAG_KV_RESIDENT == 0x10000 and P.REPEAT_MASK == 0xFFFF and P.INFER_FLAGS_RESERVED == 0xFFFC0000 \
+        and P.FLAG_PROFILE == 0x20000
 
 
 @pytest.mark.parametrize("data,status,seq", [

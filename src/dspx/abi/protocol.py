@@ -26,7 +26,11 @@ MAX_NDIM = 6
 # INFER flags
 REPEAT_MASK = 0xFFFF
 FLAG_KV_RESIDENT = 1 << 16
-INFER_FLAGS_RESERVED = 0xFFFE0000
+# Extension: time every call the entry makes; the rows come back in the printf
+# ring (docs/protocol.md, "Profile records").
+FLAG_PROFILE = 1 << 17
+PROFILE_PREFIX = "#dspx-profile"
+INFER_FLAGS_RESERVED = 0xFFFC0000
 
 # DYN_LOAD flags (extension): bit 0 = the staged bytes are an op library
 # (Python source, or a native library built with dspx build-ops) rather than a compiled module.

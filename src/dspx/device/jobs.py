@@ -72,6 +72,7 @@ class InferSpec:
     repeat: int
     printf: tuple | None  # (buf_id, offset, size)
     resp_type: int  # INFER_RESP or INFER_LARGE_RESP
+    profile: bool = False  # FLAG_PROFILE: time every call of the entry (core/inference.py)
 
 
 @dataclass(slots=True)

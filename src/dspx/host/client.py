@@ -339,23 +339,25 @@ class Client:
 
     # ---------------------------------------------------------------- inference
     def infer(self, handle: int, inputs, model_id: int = 0, repeat: int = 0, kv_resident: bool = False,
-              kv_inputs=(), timeout: float | None = None) -> InferResult:
+              kv_inputs=(), timeout: float | None = None, profile: bool = False) -> InferResult:
         """Run the module on ``inputs`` (numpy arrays).  Arrays already in
         input_buf are passed in place; others are copied once.  ``kv_inputs``
         are ``(index, kv_offset, shape, dtype)`` for inputs that live in the
-        KV region.  Returns descriptors of outputs in output_buf."""
+        KV region.  Returns descriptors of outputs in output_buf.  ``profile``:
+        FLAG_PROFILE; the printf text (with the profile records) is returned,
+        not shown (dspx.host.profile reads it)."""
         if self._closed:
             raise DspxError("client is closed")
         io = self.session.io
         offsets = [self.in_input_buf(a) for a in inputs]
         # A call shaped like an earlier one (same module, same io buffers, same
         # input placement) reuses its layout and encoded request.
-        key = (handle, model_id, repeat, kv_resident, tuple(kv_inputs), io.state(),
+        key = (handle, model_id, repeat, kv_resident, profile, tuple(kv_inputs), io.state(),
                tuple(zip(offsets, [a.shape for a in inputs], [a.dtype for a in inputs])))
         cached = self._infer_plans.get(key)
         ib = self.input_buf
         if cached is None:
-            plan = io.plan_infer(handle, inputs, offsets, model_id, repeat, kv_resident, kv_inputs)
+            plan = io.plan_infer(handle, inputs, offsets, model_id, repeat, kv_resident, kv_inputs, profile)
             copied = [i for i, off in enumerate(offsets) if off is None]
             cached = ([(ib.array(off, a.shape, a.dtype), i) for (off, a), i in zip(plan.copies, copied)],
                       plan.table, bytearray(plan.message.encode()), plan.message.NAME)
@@ -380,7 +382,8 @@ class Client:
             out_descs = P.decode_descs(ob.mm, r.num_outputs, off)
         ob.end_cpu_access(memory.SYNC_READ)
         self.session.io.completed(r)
-        return InferResult(r.cycles, out_descs, self.show_printf(r.printf_size))
+        text = (self.read_printf() if r.printf_size else "") if profile else self.show_printf(r.printf_size)
+        return InferResult(r.cycles, out_descs, text)
 
     def output_view(self, desc: P.TensorDesc):
         """A numpy view of one output in output_buf (valid until the next inference)."""

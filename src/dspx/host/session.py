@@ -152,7 +152,7 @@ class IoCapacity:
         return off
 
     def plan_infer(self, handle: int, inputs, in_place, model_id: int = 0, repeat: int = 0,
-                   kv_resident: bool = False, kv_inputs=()) -> InferPlan:
+                   kv_resident: bool = False, kv_inputs=(), profile: bool = False) -> InferPlan:
         """Lay out one inference.  ``inputs`` are arrays, ``in_place`` their
         offsets in input_buf (None: not there, copy it); ``kv_inputs`` are
         ``(index, kv_offset, shape, dtype)`` for inputs in the KV region.
@@ -184,7 +184,8 @@ class IoCapacity:
         if pos > self.input:
             raise CapacityError(pos, self.input)
         fields = dict(module_handle=handle, model_id=model_id, num_inputs=n,
-                      flags=(repeat & P.REPEAT_MASK) | (P.FLAG_KV_RESIDENT if kv_resident else 0),
+                      flags=(repeat & P.REPEAT_MASK) | (P.FLAG_KV_RESIDENT if kv_resident else 0)
+                      | (P.FLAG_PROFILE if profile else 0),
                       input_dsp_addr=base, input_size=self.input,
                       result_dsp_addr=self.dsp_addr["output"], result_size=self.output)
         if not large:

@@ -399,7 +399,7 @@ class Handlers:
     def _infer(self, conn: Conn, req, descs, key: bytes | None) -> list:
         rec = self.st.module(conn, req.module_handle)
         if req.flags & P.INFER_FLAGS_RESERVED:
-            raise Reject(S.ERR_INVALID, f"INFER flags 0x{req.flags:08x} set reserved bits 17-31")
+            raise Reject(S.ERR_INVALID, f"INFER flags 0x{req.flags:08x} set reserved bits 18-31")
         kv_resident = bool(req.flags & P.FLAG_KV_RESIDENT)
         if req.model_id:
             m = self.st.models.get(req.model_id)
@@ -443,7 +443,7 @@ class Handlers:
         spec = jobs.InferSpec(
             conn.cid, rec.handle, req.model_id, inputs, (res_buf.buf_id, res_off, req.result_size, req.result_dsp_addr),
             (kv[0].buf_id, kv[1] - kv[0].region.addr, kv[2], kv[1]) if kv else None, kv_resident,
-            req.flags & P.REPEAT_MASK, printf, P.RESPONSE_BIT | req.TYPE)
+            req.flags & P.REPEAT_MASK, printf, P.RESPONSE_BIT | req.TYPE, bool(req.flags & P.FLAG_PROFILE))
         plan = Plan(self.st.new_id(), rec.core, spec, list({id(b): b for b in used}.values()))
         actions = self._remember(conn, key, plan) if key is not None else []
         return actions + [Submit(self._call_job(conn, plan, req.seq))]
