@@ -72,6 +72,7 @@ class Dims:
     eps: float
     context: int = CONTEXT
     chunk: int = CHUNK
+    kv_dtype: str = "float32"
 
     @property
     def qkv(self) -> int:
@@ -83,13 +84,45 @@ class Dims:
 
     @property
     def kv_bytes(self) -> int:
-        return int(np.prod(self.kv_shape)) * 4
+        return int(np.prod(self.kv_shape)) * KV_DTYPES[self.kv_dtype]
 
 
-def dims_of(config, context: int = CONTEXT, chunk: int = CHUNK) -> Dims:
+KV_DTYPES = {"float32": 4, "float16": 2}  # KV cache element type -> bytes
+
+
+def kv_region_bytes(n_layers: int, n_kv: int, head_dim: int, context: int, kv_dtype: str) -> int:
+    """Bytes the 2 × layers KV tensors take in the KV region (packed, aligned)."""
+    return llmpack.kv_offsets(2 * n_layers, n_kv * context * head_dim * KV_DTYPES[kv_dtype])[1]
+
+
+def largest_context(n_layers: int, n_kv: int, head_dim: int, kv_dtype: str, chunk: int = CHUNK,
+                    region: int | None = None) -> int:
+    """The longest context (a multiple of the prefill chunk) whose KV fits the region."""
+    from dspx.memory import KV_SIZE
+
+    region = KV_SIZE if region is None else region
+    n = 0
+    while kv_region_bytes(n_layers, n_kv, head_dim, n + chunk, kv_dtype) <= region:
+        n += chunk
+    return n
+
+
+def dims_of(config, context: int = CONTEXT, chunk: int = CHUNK, kv_dtype: str = "float32") -> Dims:
     c = config
+    if kv_dtype not in KV_DTYPES:
+        raise LLMCompileError(f"KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
     d = Dims(c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_size, c.vocab_size,
-             float(c.rope_theta), float(c.rms_eps), context, chunk)
+             float(c.rope_theta), float(c.rms_eps), context, chunk, kv_dtype)
+    from dspx.memory import KV_SIZE
+
+    need = kv_region_bytes(d.n_layers, d.n_kv, d.head_dim, context, kv_dtype)
+    if context < chunk or need > KV_SIZE:
+        most = largest_context(d.n_layers, d.n_kv, d.head_dim, kv_dtype, chunk)
+        raise LLMCompileError(
+            f"context {context} does not fit: its {kv_dtype} KV cache takes {need:,} bytes and the KV region "
+            f"holds {KV_SIZE:,}; the largest context that fits with {kv_dtype} KV is {most}"
+            + (" (a multiple of the prefill chunk)" if context < chunk else "")
+            + (" (float16 KV holds twice as many)" if kv_dtype == "float32" else ""))
     problems = []
     if d.head_dim * d.n_heads != d.dim:
         problems.append(f"head_dim {d.head_dim} × heads {d.n_heads} != hidden {d.dim}")
@@ -217,7 +250,7 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
     """Hand-scheduled TIR for one entry (M = rows per call: 64 prefill, 1 decode)."""
     from tvm.script import tirx as T
 
-    D, H, HKV, HD, C = d.dim, d.n_heads, d.n_kv, d.head_dim, d.context
+    D, H, HKV, HD, C, KD = d.dim, d.n_heads, d.n_kv, d.head_dim, d.context, d.kv_dtype
     assert HD == 64, "the attention kernel's q·k is written for head_dim 64"
     QKV, G, HALF = d.qkv, d.n_heads // d.n_kv, d.head_dim // 2
     eps = float(np.float32(d.eps))
@@ -389,19 +422,19 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
     @T.prim_func(private=True)
     def kv_write(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
                  cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
-                 kc: T.Buffer((1, HKV, C, HD), "float32"), vc: T.Buffer((1, HKV, C, HD), "float32")):
+                 kc: T.Buffer((1, HKV, C, HD), KD), vc: T.Buffer((1, HKV, C, HD), KD)):
         T.func_attr({"tir.noalias": True})
         for r in range(M):
             p = T.Cast("int32", pos[0, r])
             if p >= 0 and p < C:
                 for g in range(HKV):
                     for i in range(HALF):
-                        kc[0, g, p, 2 * i] = (qkv[r, D + g * HD + 2 * i] * cos[p, i]
-                                              - qkv[r, D + g * HD + 2 * i + 1] * sin[p, i])
-                        kc[0, g, p, 2 * i + 1] = (qkv[r, D + g * HD + 2 * i] * sin[p, i]
-                                                  + qkv[r, D + g * HD + 2 * i + 1] * cos[p, i])
+                        kc[0, g, p, 2 * i] = T.Cast(KD, qkv[r, D + g * HD + 2 * i] * cos[p, i]
+                                                    - qkv[r, D + g * HD + 2 * i + 1] * sin[p, i])
+                        kc[0, g, p, 2 * i + 1] = T.Cast(KD, qkv[r, D + g * HD + 2 * i] * sin[p, i]
+                                                        + qkv[r, D + g * HD + 2 * i + 1] * cos[p, i])
                     for e in range(HD):
-                        vc[0, g, p, e] = qkv[r, D + HKV * HD + g * HD + e]
+                        vc[0, g, p, e] = T.Cast(KD, qkv[r, D + HKV * HD + g * HD + e])
     ks["kv_write"] = kv_write
 
     rows = T.parallel if M > 1 else T.serial
@@ -409,7 +442,7 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
     @T.prim_func(private=True)
     def attention(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
                   cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
-                  kc: T.Buffer((1, HKV, C, HD), "float32"), vc: T.Buffer((1, HKV, C, HD), "float32"),
+                  kc: T.Buffer((1, HKV, C, HD), KD), vc: T.Buffer((1, HKV, C, HD), KD),
                   out: T.Buffer((M, D), "float32")):
         T.func_attr({"tir.noalias": True})
         for rh in rows(M * H):
@@ -431,8 +464,10 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
                 # (independent across t, so they pipeline), then the lane sums.
                 for t in range(p + 1):
                     for e in T.vectorized(16):
-                        pp[t, e] = (qr[e] * kc[0, g, t, e] + qr[16 + e] * kc[0, g, t, 16 + e]
-                                    + qr[32 + e] * kc[0, g, t, 32 + e] + qr[48 + e] * kc[0, g, t, 48 + e])
+                        pp[t, e] = (qr[e] * T.Cast("float32", kc[0, g, t, e])
+                                    + qr[16 + e] * T.Cast("float32", kc[0, g, t, 16 + e])
+                                    + qr[32 + e] * T.Cast("float32", kc[0, g, t, 32 + e])
+                                    + qr[48 + e] * T.Cast("float32", kc[0, g, t, 48 + e]))
                 for t in range(p + 1):
                     st[1] = T.float32(0)
                     for e in range(16):
@@ -447,7 +482,7 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
                     o[e] = T.float32(0)
                 for t in range(p + 1):
                     for e in T.vectorized(HD):
-                        o[e] = o[e] + sc[t] * vc[0, g, t, e]
+                        o[e] = o[e] + sc[t] * T.Cast("float32", vc[0, g, t, e])
                 for e in range(HD):
                     out[r, h * HD + e] = o[e] / st[2]
             else:
@@ -490,7 +525,7 @@ def _entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv
     pos = relax.Var("positions", ty((1, M), "int64"))
     kv = []
     for i in range(d.n_layers):
-        kv += [relax.Var(f"k{i}", ty(d.kv_shape, "float32")), relax.Var(f"v{i}", ty(d.kv_shape, "float32"))]
+        kv += [relax.Var(f"k{i}", ty(d.kv_shape, d.kv_dtype)), relax.Var(f"v{i}", ty(d.kv_shape, d.kv_dtype))]
     wv = {n: relax.Var(n.replace(".", "_"), ty(a.shape, str(a.dtype))) for n, a in weights}
     params = [ids, pos] + kv + list(wv.values())
     xd = ty((M, d.dim), "float32")
@@ -506,7 +541,7 @@ def _entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv
                                              ty((M, d.qkv), "float32")))
                 kvo = bb.emit(relax.call_tir_inplace(
                     gv["kv_write"], [qkv, pos, wv["rope.cos"], wv["rope.sin"], kv[2 * i], kv[2 * i + 1]],
-                    [4, 5], [ty(d.kv_shape, "float32"), ty(d.kv_shape, "float32")]))
+                    [4, 5], [ty(d.kv_shape, d.kv_dtype), ty(d.kv_shape, d.kv_dtype)]))
                 kc = bb.emit(relax.TupleGetItem(kvo, 0))
                 vc = bb.emit(relax.TupleGetItem(kvo, 1))
                 new_kv += [kc, vc]
@@ -554,7 +589,7 @@ def _llm_pipeline(target, record: dict):
 def _signature(d: Dims, M: int, weights, digest) -> Signature:
     kv_in = []
     for i in range(d.n_layers):
-        kv_in += [TensorSpec(f"k{i}", d.kv_shape, "float32"), TensorSpec(f"v{i}", d.kv_shape, "float32")]
+        kv_in += [TensorSpec(f"k{i}", d.kv_shape, d.kv_dtype), TensorSpec(f"v{i}", d.kv_shape, d.kv_dtype)]
     inputs = [TensorSpec("ids", (1, M), "int64"), TensorSpec("positions", (1, M), "int64")] + kv_in
     outputs = [TensorSpec("logits", (1, M, d.vocab), "float32")] + [
         TensorSpec(t.name + "_out", t.shape, t.dtype) for t in kv_in]
@@ -588,7 +623,7 @@ def gguf_identity(path: Path) -> dict:
 
 
 def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, parallel_decode_gemv: bool = False,
-                context: int = CONTEXT, chunk: int = CHUNK) -> dict:
+                context: int = CONTEXT, chunk: int = CHUNK, kv_dtype: str = "float32") -> dict:
     """Compile a Llama GGUF into ``outdir`` (prefill.so, decode.so, weights.bin,
     metadata.json); returns the metadata (plus ``"timings"``)."""
     from dspx.compiler.onnx import _Progress, make_target
@@ -598,7 +633,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     prog = _Progress(progress)
     t_all = time.perf_counter()
     model = read_gguf(gguf_path, progress=progress)  # raises GGUFNotFoundError / UnsupportedArchitectureError
-    d = dims_of(model.config, context, chunk)
+    d = dims_of(model.config, context, chunk, kv_dtype)
     with prog.stage("pack", f"repack {model.path.name} quantized blocks ({len(model.tensors)} tensors)"):
         weights = pack_weights(model, d)
     import tvm
@@ -641,7 +676,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
                     "bytes": (outdir / WEIGHTS_FILE).stat().st_size,
                     "storage": "GGUF blocks repacked: Q4_1 linear layers (f16 d, f16 m, 4-bit q), "
                                "Q8_0 embedding/LM head (f16 d, int8 q), F32 norms, F32 RoPE tables"},
-        "kv": {"order": "k0, v0, k1, v1, ...", "shape": list(d.kv_shape), "dtype": "float32",
+        "kv": {"order": "k0, v0, k1, v1, ...", "shape": list(d.kv_shape), "dtype": d.kv_dtype,
                "tensor_bytes": d.kv_bytes, "count": len(kv_tensors),
                "total_bytes": kv_end,
                "layout": "KV region base + i * tensor_bytes (the device packs KV outputs there, 64-aligned)",
@@ -664,9 +699,10 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "dspx"
 
 
-def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True) -> Path:
+def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True, *, context: int = CONTEXT,
+                 kv_dtype: str = "float32") -> Path:
     """A compiled copy of ``gguf_path`` under the cache (compiled once per
-    compiler digest and GGUF identity)."""
+    compiler digest, GGUF identity, context and KV dtype)."""
     from dspx.llm import find_default_gguf
 
     path = find_default_gguf() if gguf_path is None else Path(gguf_path)
@@ -674,7 +710,10 @@ def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True) -> Path:
         from dspx.llm import GGUFNotFoundError
         raise GGUFNotFoundError(f"GGUF file not found: {path}")
     ident = gguf_identity(path)
-    key = hashlib.sha256((compiler_digest() + json.dumps(ident, sort_keys=True)).encode()).hexdigest()[:16]
+    build = {"context": context, "kv_dtype": kv_dtype}
+    key = hashlib.sha256((compiler_digest() + json.dumps(ident, sort_keys=True)
+                          + ("" if build == {"context": CONTEXT, "kv_dtype": "float32"} else json.dumps(build))
+                          ).encode()).hexdigest()[:16]
     root = Path(cache_dir or default_cache_dir()) / "llm"
     out = root / key
     if not (out / METADATA_FILE).exists():
@@ -688,7 +727,7 @@ def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True) -> Path:
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = root / (key + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        compile_llm(path, tmp, progress=progress)
+        compile_llm(path, tmp, progress=progress, context=context, kv_dtype=kv_dtype)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
     return out

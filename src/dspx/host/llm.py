@@ -114,7 +114,8 @@ class DeviceLLM:
         if self.client.kv_size < self.kv_total:
             raise LLMError(f"the model's KV cache needs {self.kv_total} bytes; this client's KV region holds "
                            f"{self.client.kv_size}")
-        self.kv_inputs = [(2 + i, off, self.kv_shape, "float32") for i, off in enumerate(self.kv_offsets)]
+        self.kv_dtype = self.meta["kv"].get("dtype", "float32")
+        self.kv_inputs = [(2 + i, off, self.kv_shape, self.kv_dtype) for i, off in enumerate(self.kv_offsets)]
         self.load_warnings: list[str] = []
         self.handles: dict[str, int] = {}
         try:
@@ -180,12 +181,12 @@ class DeviceLLM:
         """Non-resident -> resident: put the host's KV back in the KV region."""
         if self.kv_on_host:
             for arr, off in zip(self.host_kv, self.kv_offsets):
-                self.client.kv_view(off, self.kv_shape, "float32")[...] = arr
+                self.client.kv_view(off, self.kv_shape, self.kv_dtype)[...] = arr
             self.kv_on_host = False
 
     def _to_host_kv(self) -> None:
         if not self.kv_on_host:
-            self.host_kv = [self.client.kv_view(off, self.kv_shape, "float32").copy() for off in self.kv_offsets]
+            self.host_kv = [self.client.kv_view(off, self.kv_shape, self.kv_dtype).copy() for off in self.kv_offsets]
             self.kv_on_host = True
 
     def prefill(self, ids: Sequence[int], start: int = 0) -> np.ndarray:
