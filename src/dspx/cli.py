@@ -77,7 +77,7 @@ class DspxGroup(click.Group):
         as_json = "--json" in argv
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.Abort):
+        except (click.exceptions.Exit, click.Abort, BrokenPipeError):  # click ends a closed pipe quietly
             raise
         except click.UsageError as e:
             hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
