@@ -30,6 +30,8 @@ def main(argv=None) -> int:
                          "an RPC's own timeout_ms wins)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
+    from .. import trace  # DSPX_TRACE: record the front's timeline (docs/profiling.md)
+    trace.install_front()
     if a.cores < 1:
         ap.error("--cores must be at least 1")
     log = (lambda *m: None) if a.quiet else (lambda *m: print("dspx-device:", *m, file=sys.stderr, flush=True))

@@ -9,15 +9,22 @@ output_buf is abi.layout's: a descriptor region then each tensor 64-byte
 aligned.  With KV_RESIDENT every output past the first is written to the KV
 region instead, packed the same way from its base, and only the first output
 (and its descriptor) reaches output_buf.
+
+A plan with FLAG_PROFILE (or any plan while the core traces, dspx.trace)
+runs the entry on a second VM over the same library whose every call is
+timed (``TimedVM``); other plans keep the untimed VM and pay nothing.  The
+profile rows go to the printf ring (docs/protocol.md, "Profile records").
 """
 from __future__ import annotations
 
 import math
 import statistics
 import time
+import weakref
 
 import numpy as np
 
+from ... import trace
 from ...abi import layout, protocol as P
 from ...abi.protocol import DType, Status
 
@@ -59,6 +66,11 @@ class Prepared:
         self.resp_cls = P.message_class(spec.resp_type)
         args, reusable = module.prepare(self.inputs, weights)  # the signature check, once
         self.args = args if reusable else None
+        if spec.profile or trace.recorder() is not None:
+            if spec.profile and spec.printf is None:
+                raise InferFailed(Status.ERR_INVALID, "PROFILE needs a printf buffer (SET_PRINTF_BUF): "
+                                                      "the profile rows are written there")
+            self.run = self._run_timed  # this plan only: the untimed run() keeps its path
 
     def run(self) -> tuple[int, list, str]:
         """Run the entry (``repeat`` times) and place the outputs; returns
@@ -76,6 +88,37 @@ class Prepared:
         # 1 GHz nominal clock: one cycle per nanosecond.
         cycles = per_run[0] if repeat == 1 else int(statistics.median(per_run))
         text = "".join(f"run {i}: {c} cycles\n" for i, c in enumerate(per_run)) if repeat > 1 else ""
+        return cycles, self._place([np.ascontiguousarray(o) for o in outs], cycles), text
+
+    def _run_timed(self) -> tuple[int, list, str]:
+        """run() on the module's TimedVM: every call of the entry timed; the
+        rows go to printf (PROFILE) and to the trace (when the core traces)."""
+        spec = self.spec
+        timed = timed_vm(self.module)
+        rec = trace.recorder()
+        per_run, runs = [], []
+        outs = None
+        if timed.fresh:  # warm it up outside the report
+            timed.call(self.args if self.args is not None else self.module.prepare(self.inputs, self.weights)[0])
+            timed.take()
+            timed.fresh = False
+        for _ in range(max(1, spec.repeat)):
+            outs = None
+            args = self.args if self.args is not None else self.module.prepare(self.inputs, self.weights)[0]
+            t0 = time.perf_counter_ns()
+            outs = timed.call(args)
+            t1 = time.perf_counter_ns()
+            per_run.append(t1 - t0)
+            calls = timed.take()
+            runs.append(calls)
+            if rec is not None:
+                rec.complete(f"entry {self.module.entry}", t0, t1, "entry")
+                for kind, name, shapes, c0, c1 in calls:
+                    rec.complete(name, c0, c1, kind, {"shapes": shapes})
+        cycles = per_run[0] if len(per_run) == 1 else int(statistics.median(per_run))
+        text = "".join(f"run {i}: {c} cycles\n" for i, c in enumerate(per_run)) if len(per_run) > 1 else ""
+        if spec.profile:
+            text += profile_text(runs, sum(per_run), spec.printf[2] - layout.PRINTF_HEADER - len(text.encode()))
         return cycles, self._place([np.ascontiguousarray(o) for o in outs], cycles), text
 
     def _place(self, outs: list, cycles: int) -> list:
@@ -119,3 +162,102 @@ class Prepared:
             resp.descs_addr = self.spec.result[3]
             resp.descs_size = len(descs) * P.TensorDesc.SIZE
         return resp.encode()
+
+
+# ------------------------------------------------------------------ timed calls (PROFILE, trace)
+
+def _kind(symbol: str) -> str:
+    if symbol.startswith("dspx.kernels."):
+        return "kernel"
+    return "vm" if symbol.startswith("vm.") else "tvm"
+
+
+class TimedVM:
+    """A second Relax VM over a mapped module's library with an instrument
+    timing every call instruction: firmware kernels (call_dps_packed), the
+    module's compiled TVM functions and the VM's built-ins."""
+
+    def __init__(self, module):
+        import tvm
+        from tvm import relax
+
+        self.vm = relax.VirtualMachine(module._lib, tvm.cpu())
+        self._func = self.vm[module.entry]
+        self._calls: list = []  # (symbol, t0, t1, args) in order of completion
+        self._last = None
+        starts, calls, clock, tensor = [], self._calls, time.perf_counter_ns, tvm.runtime.Tensor
+
+        def instrument(func, symbol, before, ret, *args):
+            if before:
+                starts.append(clock())
+            else:
+                calls.append((symbol, starts.pop(), clock(), [a for a in args if isinstance(a, tensor)]))
+            return 0
+
+        self.vm.set_instrument(instrument)
+        self.fresh = True  # its first call pays the allocator's first allocations
+
+    def call(self, args: list) -> list:
+        import tvm_ffi
+        self._last = None
+        out = self._func(*args)
+        outs = list(out) if isinstance(out, (list, tuple, tvm_ffi.Array)) else [out]
+        self._last = outs  # numpy views below stay valid until the next call
+        return [np.from_dlpack(o) for o in outs]
+
+    def take(self) -> list:
+        """The last run's calls as (kind, symbol, shapes, t0, t1), started-first order."""
+        calls = sorted(self._calls, key=lambda c: c[1])
+        self._calls.clear()
+        return [(_kind(s), s, ",".join("x".join(map(str, a.shape)) for a in args), t0, t1)
+                for s, t0, t1, args in calls]
+
+
+_timed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def timed_vm(module) -> TimedVM:
+    """The module's TimedVM, made on first use."""
+    t = _timed.get(module)
+    if t is None:
+        t = _timed[module] = TimedVM(module)
+    return t
+
+
+def profile_rows(runs: list) -> list:
+    """[kind, name, shapes, calls, cycles]: one row per call site of a kernel or
+    TVM function (call order), one per VM built-in name; summed over runs."""
+    rows: dict = {}
+    for calls in runs:
+        site = 0
+        for kind, name, shapes, t0, t1 in calls:
+            if kind == "vm":
+                key = ("vm", name)
+            else:
+                key, site = (site, name), site + 1
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = [kind, name, shapes if kind != "vm" else "", 0, 0]
+            row[3] += 1
+            row[4] += t1 - t0  # 1 GHz nominal clock: ns == cycles
+    return list(rows.values())
+
+
+def profile_text(runs: list, entry_cycles: int, room: int) -> str:
+    """The profile records (docs/protocol.md) in at most ``room`` bytes;
+    rows that do not fit are dropped smallest first."""
+    rows = [f"{P.PROFILE_PREFIX}-row\t{k}\t{n}\t{s}\t{c}\t{cy}\n" for k, n, s, c, cy in profile_rows(runs)]
+    cycles = [int(r.rsplit("\t", 1)[1]) for r in rows]
+    keep = list(range(len(rows)))
+
+    def head(dropped):
+        return f"{P.PROFILE_PREFIX}\t1\truns={len(runs)}\tentry_cycles={entry_cycles}\t" \
+               f"rows={len(rows) - dropped}\tdropped={dropped}\n"
+
+    size = len(head(0)) + 4 + sum(len(r) for r in rows)
+    for i in sorted(keep, key=lambda i: cycles[i]):
+        if size <= room:
+            break
+        keep.remove(i)
+        size -= len(rows[i])
+    return head(len(rows) - len(keep)) + "".join(rows[i] for i in keep)

@@ -360,6 +360,8 @@ def main(argv=None) -> None:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TVM_NUM_THREADS"):
             os.environ.setdefault(var, str(a.threads))
     _die_with_parent()
+    from ... import trace  # DSPX_TRACE: record this core's timeline (docs/profiling.md)
+    trace.install_core(a.index)
     sock = socket.socket(fileno=a.fd)
     status = None
     if a.status_fd is not None:

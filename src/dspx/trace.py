@@ -1,0 +1,267 @@
+"""A timeline of host and device in Chrome trace-event JSON (Perfetto,
+chrome://tracing) — the recorder shared by the host library and the device.
+
+``DSPX_TRACE=out.json`` turns it on for a host program (``dspx run/generate
+--trace`` set it for you) and for a device started with it in its environment
+(the private device a host program starts inherits it).  Each process keeps
+complete ("X") events in memory and appends them as JSON lines to its own
+part file, ``out.json.parts/<pid>.jsonl``, after every top-level span (a host
+call, a datagram the front handled, a job a core ran); the host program
+merges every part into ``out.json`` when it ends (``finish``).
+
+One clock: every event is stamped with ``time.perf_counter_ns()``, which on
+Linux is ``clock_gettime(CLOCK_MONOTONIC)`` — one system-wide clock, the same
+in every process on the machine (it is also the device's cycle clock), so
+host, front, core and DMA tracks line up with no offsets to estimate.
+
+Nothing here runs while tracing is off: ``install_*`` wraps the traced
+methods in place only when the variable is set, so an untraced process calls
+the original functions.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+ENV = "DSPX_TRACE"
+clock = time.perf_counter_ns  # CLOCK_MONOTONIC on Linux: system-wide
+
+_rec: "Recorder | None" = None
+
+
+def recorder() -> "Recorder | None":
+    """The process's recorder while it traces, else None."""
+    return _rec
+
+
+def parts_dir(path) -> Path:
+    return Path(str(path) + ".parts")
+
+
+class Recorder:
+    def __init__(self, path, process: str, sort_index: int = 0):
+        self.path = Path(path)
+        self.pid = os.getpid()
+        parts = parts_dir(self.path)
+        parts.mkdir(parents=True, exist_ok=True)
+        self._file = open(parts / f"{self.pid}.jsonl", "a", encoding="utf-8")
+        self._events: list = []
+        self._named: set = set()
+        self._lock = threading.Lock()
+        self._meta("process_name", {"name": process})
+        self._meta("process_sort_index", {"sort_index": sort_index})
+
+    def _meta(self, what: str, args: dict, tid: int = 0) -> None:
+        self._events.append({"name": what, "ph": "M", "pid": self.pid, "tid": tid, "args": args})
+
+    def name_thread(self, name: str, tid: int | None = None) -> None:
+        tid = threading.get_native_id() if tid is None else tid
+        if tid not in self._named:
+            self._named.add(tid)
+            self._meta("thread_name", {"name": name}, tid)
+
+    def complete(self, name: str, t0: int, t1: int, cat: str = "", args: dict | None = None) -> None:
+        """An event from t0 to t1 (perf_counter_ns) on the calling thread."""
+        ev = {"name": name, "cat": cat, "ph": "X", "ts": t0 / 1000, "dur": (t1 - t0) / 1000,
+              "pid": self.pid, "tid": threading.get_native_id()}
+        if args:
+            ev["args"] = args
+        self._events.append(ev)  # list.append is atomic: DMA threads record too
+
+    def flush(self) -> None:
+        with self._lock:
+            events, self._events = self._events, []
+            if events:
+                self._file.write("".join(json.dumps(e) + "\n" for e in events))
+                self._file.flush()
+
+
+def _wrap(cls, attr: str, name, cat: str, top: bool = False, args=None) -> None:
+    """Replace cls.attr with a version recording one event per call.
+    ``name``: a string or f(*call args) -> str; ``args``: f(*call args) -> dict;
+    ``top``: flush the part file after it (a top-level span)."""
+    orig = cls.__dict__.get(attr)
+    if orig is None or getattr(orig, "_dspx_traced", False):
+        return
+
+    @functools.wraps(orig)
+    def traced(*a, **k):
+        rec = _rec
+        t0 = clock()
+        try:
+            return orig(*a, **k)
+        finally:
+            rec.complete(name(*a, **k) if callable(name) else name, t0, clock(), cat,
+                         args(*a, **k) if args else None)
+            if top:
+                rec.flush()
+
+    traced._dspx_traced = True
+    setattr(cls, attr, traced)
+
+
+def _start(path, process: str, sort_index: int) -> "Recorder":
+    global _rec
+    if _rec is None:
+        _rec = Recorder(path, process, sort_index)
+        _rec.name_thread("main")
+        atexit.register(_rec.flush)
+    return _rec
+
+
+# ------------------------------------------------------------------ host
+
+def start_host(path, process: str = "host") -> Recorder:
+    """Trace this host program into ``path``: start afresh (old parts are
+    removed), tell devices it starts (the environment), wrap the client's
+    legs, and merge everything at exit."""
+    path = Path(path).resolve()
+    os.environ[ENV] = str(path)
+    if _rec is None:
+        parts = parts_dir(path)
+        if parts.is_dir():
+            for f in parts.glob("*.jsonl"):
+                f.unlink()
+    rec = _start(path, process, 0)
+    rec.name_thread("host client")
+    _install_host()
+    atexit.register(finish)
+    return rec
+
+
+def host_from_env() -> None:
+    """``DSPX_TRACE`` set for a host program: trace it (called on import of dspx.host)."""
+    path = os.environ.get(ENV)
+    if path and _rec is None:
+        start_host(path)
+
+
+def _install_host() -> None:
+    from . import memory
+    from .host import client, session, vm
+
+    C = client.Client
+    _wrap(C, "infer", "infer", "host", top=True)
+    _wrap(C, "request", lambda self, msg, *a, **k: f"request {msg.NAME}", "host", top=True)
+    _wrap(C, "load_module", "load module", "host", top=True)
+    _wrap(C, "load_weights", "load weights", "host", top=True)
+    _wrap(C, "_send_bytes", "send", "host")
+    _wrap(C, "wait", "wait", "host")
+    _wrap(session.Session, "start_bytes", "encode", "host")
+    _wrap(session.IoCapacity, "plan_infer", "encode (layout)", "host")
+    # copy-in: between the input buffer's begin and end of CPU access for writing
+    begin, end = memory.DmaBuf.begin_cpu_access, memory.DmaBuf.end_cpu_access
+    if not getattr(begin, "_dspx_traced", False):
+        def traced_begin(self, direction):
+            self._trace_t0 = clock()
+            return begin(self, direction)
+
+        def traced_end(self, direction):
+            r = end(self, direction)
+            t0 = getattr(self, "_trace_t0", None)
+            if t0 is not None and _rec is not None:
+                _rec.complete("copy-in" if direction == memory.SYNC_WRITE else "read descriptors", t0, clock(),
+                              "host")
+            return r
+        traced_begin._dspx_traced = True
+        memory.DmaBuf.begin_cpu_access, memory.DmaBuf.end_cpu_access = traced_begin, traced_end
+    # copy-out: a VM call copies its outputs out of output_buf after the infer
+    orig_getitem = vm.VirtualMachine.__getitem__
+    if getattr(orig_getitem, "_dspx_traced", False):
+        return
+
+    def getitem(self, name):
+        fn = orig_getitem(self, name)
+
+        @functools.wraps(fn)
+        def call(*a, **k):
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                _rec.complete(f"vm[{name!r}] (infer + copy-out)", t0, clock(), "host")
+                _rec.flush()
+        return call
+    getitem._dspx_traced = True
+    vm.VirtualMachine.__getitem__ = getitem
+
+
+def merge(path) -> dict:
+    """Every part of the trace at ``path`` as one Chrome trace-event object."""
+    events = []
+    for f in sorted(parts_dir(path).glob("*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    pass  # a line cut short by a killed process
+    events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0)))
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"clock": "CLOCK_MONOTONIC (time.perf_counter_ns), microseconds", "producer": "dspx"}}
+
+
+def finish() -> Path | None:
+    """Flush this process and write the merged trace (the host does this at exit)."""
+    if _rec is None:
+        return None
+    _rec.flush()
+    data = merge(_rec.path)
+    tmp = _rec.path.with_name(_rec.path.name + ".tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    tmp.replace(_rec.path)
+    return _rec.path
+
+
+# ------------------------------------------------------------------ device
+
+def install_front() -> None:
+    """The device front traces when DSPX_TRACE is set (one call from the service)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    from .device.front import handlers, loop
+
+    _start(path, "device front", 1).name_thread("front loop")
+    S = loop.Service
+    _wrap(S, "_on_conn", "receive", "front", top=True)
+    _wrap(S, "_on_core", "core message", "front", top=True)
+    _wrap(handlers.Handlers, "handle", lambda self, conn, req, *a, **k: f"validate {req.NAME}", "front")
+    _wrap(handlers.Handlers, "replay", "validate (plan hit)", "front")
+    _wrap(S, "submit", "queue", "front")
+    _wrap(S, "_start_job", "to core", "front", args=lambda self, c, job: {"core": c.index})
+    _wrap(S, "_send", "respond", "front")
+
+
+def install_core(index: int) -> None:
+    """A core traces when DSPX_TRACE is set (one call from the core's main):
+    jobs, entry calls and every call inside them (core/inference.py), custom
+    op tiles (runtime.ping_pong) and every DMA transfer on its channel's track."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    from .device.core import runtime, worker
+
+    _start(path, f"device core {index}", 2 + index).name_thread(f"core {index}")
+    W = worker.CoreWorker
+    _wrap(W, "call", lambda self, rec: "call job", "core", top=True,
+          args=lambda self, rec: {"job": rec.job, "seq": rec.seq})
+    _wrap(W, "handle", lambda self, rec: f"job {type(rec).__name__}", "core", top=True)
+    D = runtime.DmaEngine
+    copy = D._do_copy
+
+    def do_copy(self, src, dst):
+        t0 = clock()
+        try:
+            return copy(self, src, dst)
+        finally:
+            t = threading.current_thread().name  # dspx-dma<N>
+            _rec.name_thread(f"dma channel {t.removeprefix('dspx-dma')}")
+            _rec.complete("dma copy", t0, clock(), "dma", {"bytes": int(dst.nbytes)})
+    D._do_copy = do_copy
+    _wrap(D, "wait", lambda self, ch, *a, **k: f"dma wait ch{ch}", "dma")
