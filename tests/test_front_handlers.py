@@ -233,7 +233,7 @@ def test_infer_of_an_unknown_module_is_err_handle(front):
 
 def test_infer_reserved_flag_bits_are_refused(front):
     base, h = front.attach(4096), front.module()
-    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)], flags=1 << 17))) == S.ERR_INVALID
+    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)], flags=1 << 31))) == S.ERR_INVALID
 
 
 def test_infer_descriptor_count_must_match_num_inputs(front):

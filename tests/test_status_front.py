@@ -1,0 +1,619 @@
+"""Every status the front's handlers answer, from every place that answers it
+(docs/reliability.md, "Rules and their tests").  Handlers are driven directly:
+no socket, no core.  Each test is named after the rule it checks; where a rule
+has an edge (a limit, a size), both sides of it are tested, so a check that
+moves by one fails.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+
+import pytest
+
+from dspx import memory
+from dspx.abi import layout, protocol as P
+from dspx.abi.protocol import Status as S
+from dspx.device import jobs
+from dspx.device.front.handlers import Cores, Handlers, Notify, Respond, Submit, _NoRoom
+from dspx.device.front.state import MAX_INPUTS, MAX_OPLIB_SOURCE, Conn, ModelRec, ModuleRec, Reject
+from test_front_handlers import SIG, Front, _desc, infer_req, responses, status, submitted
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def front():
+    f = Front()
+    yield f
+    for b in f.bufs:
+        b.close()
+
+
+def _dmabuf(front, size=4096):
+    b = memory.DmaBuf(size)
+    front.bufs.append(b)
+    return os.dup(b.fd)
+
+
+def _other_conn(front) -> Conn:
+    c = Conn(front.st.new_id(), None, 0)
+    front.st.conns[c.cid] = c
+    return c
+
+
+def _reject_of(fn, *a):
+    with pytest.raises(Reject) as e:
+        fn(*a)
+    return e.value
+
+
+# ---------------------------------------------------------------- BUF_ATTACH
+
+def test_attach_of_an_unsealed_memfd_is_invalid_and_closes_nothing_of_ours(front):
+    fd = os.memfd_create("unsealed", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4096)
+    fds = [fd]
+    assert status(front.h.handle(front.conn, P.BufAttach(size=4096), fds)) == S.ERR_INVALID
+    assert fds == [fd] and not front.conn.bufs  # still the caller's to close
+    os.close(fd)
+
+
+def test_attach_of_a_memfd_sealed_only_against_shrink_is_invalid(front):
+    fd = os.memfd_create("half", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4096)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    assert status(front(P.BufAttach(size=4096), [fd])) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("size,want", [(4096, S.SUCCESS), (4097, S.ERR_INVALID), (0, S.ERR_INVALID)])
+def test_attach_size_must_be_within_the_memfd(front, size, want):
+    assert status(front(P.BufAttach(size=size), [_dmabuf(front, 4096)])) == want
+
+
+def test_attach_with_two_fds_is_invalid(front):
+    assert status(front(P.BufAttach(size=4096), [_dmabuf(front), _dmabuf(front)])) == S.ERR_INVALID
+
+
+def test_attach_past_the_carveout_window_is_nomem_and_the_mapping_is_dropped(front):
+    front.attach(60 * MiB)
+    assert status(front(P.BufAttach(size=8 * MiB), [_dmabuf(front, 8 * MiB)])) == S.ERR_NOMEM
+    assert front.st.window.used == 60 * MiB and len(front.conn.bufs) == 1
+    (e,) = responses(front(P.GetError()))
+    assert e.error_status == S.ERR_NOMEM
+
+
+@pytest.mark.parametrize("kv,want", [(64, S.SUCCESS), (4096, S.SUCCESS), (0, S.SUCCESS), (32, S.ERR_INVALID),
+                                     (4096 + 64, S.ERR_INVALID)])
+def test_kv_size_is_a_multiple_of_64_at_most_the_staging_size(front, kv, want):
+    assert status(front(P.BufAttach(size=4096, flags=P.ATTACH_STAGING, kv_size=kv), [_dmabuf(front)])) == want
+
+
+def test_the_kv_region_is_the_last_kv_size_bytes_of_staging(front):
+    base = front.attach(MiB, staging=True, kv=4096)
+    buf, start, size = front.conn.kv_region()
+    assert (start, size) == (base + MiB - 4096, 4096) and buf is front.conn.staging
+
+
+def test_attach_flag_bits_past_bit_0_are_invalid(front):
+    for bit in (1, 2, 31):
+        assert status(front(P.BufAttach(size=4096, flags=1 << bit), [_dmabuf(front)])) == S.ERR_INVALID
+
+
+# ---------------------------------------------------------------- BUF_DETACH
+
+def test_detach_of_an_address_inside_a_buffer_is_err_addr(front):
+    addr = front.attach(8192)
+    assert status(front(P.BufDetach(dsp_addr=addr + 4096))) == S.ERR_ADDR
+    assert addr in front.conn.bufs
+
+
+def test_detach_of_another_connections_buffer_is_err_addr(front):
+    addr = front.attach(4096)
+    other = _other_conn(front)
+    assert status(front.h.handle(other, P.BufDetach(dsp_addr=addr), [])) == S.ERR_ADDR
+    assert addr in front.conn.bufs
+
+
+def test_detach_of_the_printf_buffer_unbinds_printf(front):
+    addr = front.attach(4096)
+    front(P.SetPrintfBuf(printf_dsp_addr=addr, printf_size=4096))
+    assert front.conn.printf == (addr, 4096)
+    assert status(front(P.BufDetach(dsp_addr=addr))) == 0 and front.conn.printf is None
+
+
+# ---------------------------------------------------------------- SET_PRINTF_BUF
+
+@pytest.mark.parametrize("size,want", [(layout.PRINTF_MIN_SIZE, S.SUCCESS), (layout.PRINTF_MIN_SIZE - 1, S.ERR_INVALID),
+                                       (0, S.ERR_INVALID)])
+def test_printf_buffer_holds_at_least_the_header_and_16_bytes(front, size, want):
+    assert layout.PRINTF_MIN_SIZE == 32
+    addr = front.attach(4096)
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=addr, printf_size=size))) == want
+
+
+def test_printf_buffer_in_another_connection_is_err_addr(front):
+    addr = front.attach(4096)
+    other = _other_conn(front)
+    assert status(front.h.handle(other, P.SetPrintfBuf(printf_dsp_addr=addr, printf_size=64), [])) == S.ERR_ADDR
+
+
+def test_printf_buffer_must_lie_in_one_buffer_up_to_its_last_byte(front):
+    addr = front.attach(4096)
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=addr + 4096 - 64, printf_size=64))) == S.SUCCESS
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=addr + 4096 - 64, printf_size=65))) == S.ERR_ADDR
+
+
+def test_printf_target_of_a_job_is_the_bound_ring(front):
+    base, h = front.attach(4096), front.module()
+    pb = front.attach(4096)
+    front(P.SetPrintfBuf(printf_dsp_addr=pb + 1024, printf_size=2048))
+    job = submitted(front(infer_req(base, h, 4096, [_desc(base + 128)])))
+    assert job.plan.spec.printf == (front.conn.bufs[pb].buf_id, 1024, 2048)
+    assert front.conn.bufs[pb] in job.bufs  # held busy while the job runs
+
+
+# ---------------------------------------------------------------- staging (DYN_LOAD / MODEL_LOAD)
+
+def test_model_load_without_staging_is_invalid(front):
+    assert status(front(P.ModelLoad(weights_size=100))) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("size,want", [(0, S.ERR_SIZE), (MiB - 4096, None), (MiB - 4096 + 1, S.ERR_SIZE)])
+def test_model_load_size_must_fit_staging_above_the_kv_region(front, size, want):
+    front.attach(MiB, staging=True, kv=4096)
+    actions = front(P.ModelLoad(weights_size=size))
+    if want is None:
+        assert isinstance(submitted(actions).rec, jobs.LoadWeights)
+    else:
+        assert status(actions) == want
+
+
+def test_dyn_load_of_exactly_the_staging_room_is_a_job(front):
+    front.attach(MiB, staging=True, kv=4096)
+    assert submitted(front(P.DynLoad(elf_size=MiB - 4096))).rec.size == MiB - 4096
+
+
+def test_staging_of_another_connection_does_not_count(front):
+    front.attach(MiB, staging=True)
+    other = _other_conn(front)
+    assert status(front.h.handle(other, P.DynLoad(elf_size=100), [])) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("flags", [2, 1 << 31])
+def test_dyn_load_unknown_flag_bits_are_invalid(front, flags):
+    front.attach(MiB, staging=True)
+    assert status(front(P.DynLoad(elf_size=100, flags=flags))) == S.ERR_INVALID
+
+
+def test_dyn_load_op_library_flag_loads_the_staged_source(front):
+    st = front.attach(MiB, staging=True)
+    front.conn.bufs[st].region.mm[:6] = b"x = 1\n"
+    job = submitted(front(P.DynLoad(elf_size=6, flags=P.DYN_LOAD_OP_LIBRARY)))
+    assert isinstance(job.rec, jobs.LoadOps) and job.rec.source == b"x = 1\n"
+
+
+# ---------------------------------------------------------------- reserved fields
+
+@pytest.mark.parametrize("field,value", [("reserved0", 1), ("reserved1", 1 << 31), ("flags", 1)])
+def test_model_load_reserved_and_flags_are_invalid_whatever_the_bit(front, field, value):
+    front.attach(MiB, staging=True)
+    assert status(front(P.ModelLoad(weights_size=100, **{field: value}))) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("field,value", [("reserved0", 1 << 31), ("reserved1", 2)])
+def test_dyn_load_reserved_fields_are_invalid_whatever_the_bit(front, field, value):
+    front.attach(MiB, staging=True)
+    assert status(front(P.DynLoad(elf_size=100, **{field: value}))) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("field", ["flags", "reserved"])
+def test_ops_load_flags_and_reserved_must_be_zero(front, field):
+    base = front.attach(4096)
+    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=16, **{field: 1}))) == S.ERR_INVALID
+
+
+# ---------------------------------------------------------------- load results from the core
+
+def _load_job(front):
+    front.attach(MiB, staging=True)
+    return submitted(front(P.DynLoad(seq=3, elf_size=1000)))
+
+
+def test_a_load_refused_by_the_core_keeps_its_status_and_numbers(front):
+    job = _load_job(front)
+    done = jobs.Done(job.rec.job, S.ERR_NOMEM, "no room", numbers={"oom_requested": 9000, "oom_free": 100})
+    e = _reject_of(job.on_done, done)
+    # the pool's total is the front's to say
+    assert (e.status, e.numbers["oom_requested"], e.numbers["oom_free"], e.numbers["oom_total"]) == \
+        (S.ERR_NOMEM, 9000, 100, 8 * MiB)
+    assert not front.conn.modules and front.st.ddr.used == 0
+
+
+@pytest.mark.parametrize("st", [S.ERR_LOAD, S.ERR_SYMBOL])
+def test_a_load_refused_by_the_core_with_no_numbers_answers_zeros(front, st):
+    job = _load_job(front)
+    e = _reject_of(job.on_done, jobs.Done(job.rec.job, st, "bad elf"))
+    assert e.status == st and e.numbers == dict(oom_requested=0, oom_free=0, oom_total=0)
+
+
+def test_a_load_whose_core_restarted_meanwhile_is_busy(front):
+    job = _load_job(front)
+    front.h.cores.generation = lambda i: None  # core 0 is restarting
+    e = _reject_of(job.on_done, jobs.Done(job.rec.job, value=jobs.Loaded(100, 0, 0, None, None)))
+    assert e.status == S.ERR_BUSY and "restarting" in str(e)
+
+
+def test_a_module_that_exactly_fills_the_ddr_pool_loads(front):
+    job = _load_job(front)
+    (r,) = responses(job.on_done(jobs.Done(job.rec.job, value=jobs.Loaded(8 * MiB - 100, 60, 40, None, None))))
+    assert r.status == 0 and front.st.ddr.used == 8 * MiB
+
+
+def test_weights_larger_than_the_ddr_pool_are_nomem_with_the_numbers_and_undone_on_the_core(front):
+    front.attach(MiB, staging=True)
+    front.st.ddr.take(MiB)
+    job = submitted(front(P.ModelLoad(weights_size=1000)))
+    with pytest.raises(_NoRoom) as e:
+        job.on_done(jobs.Done(job.rec.job, value=jobs.WeightsLoaded(3, 7 * MiB + 1)))
+    n = e.value.numbers
+    assert e.value.status == S.ERR_NOMEM
+    assert (n["oom_requested"], n["oom_free"], n["oom_total"]) == (7 * MiB + 1, 7 * MiB, 8 * MiB)
+    assert isinstance(e.value.undo, Notify) and isinstance(e.value.undo.rec, jobs.UnloadWeights)
+    assert e.value.undo.rec.model_id == job.rec.model_id
+    assert not front.conn.models and front.st.ddr.used == MiB
+
+
+def test_weights_that_fit_become_a_model_of_the_connection(front):
+    front.attach(MiB, staging=True)
+    job = submitted(front(P.ModelLoad(seq=4, weights_size=1000)))
+    (r,) = responses(job.on_done(jobs.Done(job.rec.job, value=jobs.WeightsLoaded(3, 8 * MiB))))
+    assert (r.status, r.num_constants, r.seq) == (0, 3, 4) and r.model_id in front.conn.models
+
+
+def test_weights_refused_by_the_core_keep_the_status(front):
+    front.attach(MiB, staging=True)
+    job = submitted(front(P.ModelLoad(weights_size=1000)))
+    assert _reject_of(job.on_done, jobs.Done(job.rec.job, S.ERR_WEIGHTS, "truncated")).status == S.ERR_WEIGHTS
+
+
+def test_an_op_library_refused_by_the_core_answers_its_error_line(front):
+    base = front.attach(4096)
+    job = submitted(front(P.OpsLoad(src_dsp_addr=base, src_size=16)))
+    e = _reject_of(job.on_done, jobs.Done(job.rec.job, S.ERR_LOAD, "syntax", numbers={"error_line": 3}))
+    assert (e.status, e.numbers["error_line"]) == (S.ERR_LOAD, 3)
+
+
+def test_an_op_library_loaded_on_core_0_is_sent_to_the_other_cores(front):
+    base = front.attach(4096)
+    job = submitted(front(P.OpsLoad(seq=8, src_dsp_addr=base, src_size=16)))
+    actions = job.on_done(jobs.Done(job.rec.job, value=jobs.OpsLoaded([(0x3001, "spin", 5)])))
+    (r,) = responses(actions)
+    assert (r.status, r.num_ops, r.seq) == (0, 1, 8)
+    assert [a.core for a in actions if isinstance(a, Notify)] == [1]
+    assert front.st.op_table[0x3001] == ("spin", 5, r.lib_handle)
+
+
+@pytest.mark.parametrize("size,want", [(1, None), (MAX_OPLIB_SOURCE, None), (MAX_OPLIB_SOURCE + 1, S.ERR_SIZE)])
+def test_op_library_source_is_1_byte_to_128_kib(front, size, want):
+    base = front.attach(256 << 10)
+    actions = front(P.OpsLoad(src_dsp_addr=base, src_size=size))
+    if want is None:
+        assert len(submitted(actions).rec.source) == size
+    else:
+        assert status(actions) == want
+
+
+def test_op_library_source_outside_the_connection_is_err_addr(front):
+    base = front.attach(4096)
+    assert status(front(P.OpsLoad(src_dsp_addr=base + 4000, src_size=200))) == S.ERR_ADDR
+
+
+def test_op_library_staged_over_128_kib_is_err_size(front):
+    front.attach(MiB, staging=True)
+    assert status(front(P.DynLoad(elf_size=MAX_OPLIB_SOURCE + 1, flags=P.DYN_LOAD_OP_LIBRARY))) == S.ERR_SIZE
+
+
+# ---------------------------------------------------------------- handles
+
+def test_unload_of_another_connections_module_is_err_handle(front):
+    h = front.module()
+    other = _other_conn(front)
+    assert status(front.h.handle(other, P.DynUnload(module_handle=h), [])) == S.ERR_HANDLE
+    assert h in front.st.modules
+
+
+def test_unload_of_an_unknown_module_is_err_handle(front):
+    assert status(front(P.DynUnload(module_handle=12345))) == S.ERR_HANDLE
+
+
+def test_unload_of_another_connections_model_is_err_handle(front):
+    mid = front.st.new_id()
+    front.st.models[mid] = ModelRec(mid, front.conn.cid, 0, 1, 100, 1)
+    other = _other_conn(front)
+    assert status(front.h.handle(other, P.ModelUnload(model_id=mid), [])) == S.ERR_HANDLE
+    assert mid in front.st.models
+
+
+def test_unload_waits_for_the_core_unless_the_core_is_a_new_incarnation(front):
+    h = front.module()  # generation 1, as Front's cores report
+    job = submitted(front(P.DynUnload(seq=6, module_handle=h)))
+    assert isinstance(job.rec, jobs.UnloadModule) and h not in front.st.modules
+    h2 = front.module()
+    front.st.modules[h2].generation = 0  # loaded on a core that has restarted since
+    (r,) = responses(front(P.DynUnload(seq=7, module_handle=h2)))
+    assert (r.status, r.seq) == (0, 7)
+
+
+def test_an_op_library_handle_unloads_with_dyn_unload(front):
+    h = front.st.new_id()
+    front.st.modules[h] = ModuleRec(h, 999, 0, 0, "oplib")  # op libraries are device-wide
+    front.st.op_table[0x3001] = ("spin", 0, h)
+    (r,) = responses(front(P.DynUnload(module_handle=h)))
+    assert r.status == 0 and 0x3001 not in front.st.op_table
+
+
+def test_infer_with_another_connections_module_is_err_handle(front):
+    base, h = front.attach(4096), front.module()
+    other = _other_conn(front)
+    front.st.modules[h].cid = other.cid
+    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)]))) == S.ERR_HANDLE
+
+
+def test_infer_with_an_op_library_handle_is_err_handle(front):
+    base = front.attach(4096)
+    h = front.st.new_id()
+    front.st.modules[h] = ModuleRec(h, front.conn.cid, 0, 0, "oplib")
+    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)]))) == S.ERR_HANDLE
+
+
+@pytest.mark.parametrize("owner", ["unknown", "other"])
+def test_infer_with_a_model_id_not_of_this_connection_is_err_handle(front, owner):
+    base, h = front.attach(4096), front.module()
+    mid = 4242
+    if owner == "other":
+        front.st.models[mid] = ModelRec(mid, _other_conn(front).cid, 0, 1, 100, 1)
+    req = infer_req(base, h, 4096, [_desc(base + 128)])
+    req.model_id = mid
+    assert status(front(req)) == S.ERR_HANDLE
+
+
+def test_infer_with_its_own_model_id_is_a_job(front):
+    base, h = front.attach(4096), front.module(dict(SIG, weights="separate"))
+    mid = front.st.new_id()
+    front.st.models[mid] = ModelRec(mid, front.conn.cid, 0, 1, 100, 1)
+    req = infer_req(base, h, 4096, [_desc(base + 128)])
+    req.model_id = mid
+    assert submitted(front(req)).plan.spec.model_id == mid
+
+
+# ---------------------------------------------------------------- INFER / INFER_LARGE framing
+
+@pytest.mark.parametrize("inline", [0, 2])
+def test_inline_descriptor_count_must_equal_num_inputs(front, inline):
+    base, h = front.attach(4096), front.module()
+    req = infer_req(base, h, 4096, [_desc(base + 128)] * inline)
+    req.num_inputs = 1
+    assert status(front(req)) == S.ERR_INVALID
+
+
+LOWEST_RESERVED = (P.INFER_FLAGS_RESERVED & -P.INFER_FLAGS_RESERVED).bit_length() - 1
+
+
+@pytest.mark.parametrize("bit", [LOWEST_RESERVED, 24, 31])
+def test_infer_large_reserved_flag_bits_are_invalid(front, bit):
+    base, h = front.attach(4096), front.module()
+    front.conn.bufs[base].region.mm[:80] = _desc(base + 128).encode()
+    req = P.InferLarge(module_handle=h, num_inputs=1, flags=1 << bit, descs_addr=base, descs_size=80,
+                       input_dsp_addr=base, input_size=4096, result_dsp_addr=base, result_size=4096)
+    assert status(front(req)) == S.ERR_INVALID
+
+
+def test_infer_large_without_reserved_flags_is_a_job(front):
+    base, h = front.attach(4096), front.module()
+    front.conn.bufs[base].region.mm[:80] = _desc(base + 128).encode()
+    req = P.InferLarge(module_handle=h, num_inputs=1, flags=P.FLAG_KV_RESIDENT - 1, descs_addr=base, descs_size=80,
+                       input_dsp_addr=base, input_size=4096, result_dsp_addr=base, result_size=4096)
+    assert submitted(front(req)).plan.spec.repeat == 0xFFFF
+
+
+def _large(front, n: int, buf_size: int):
+    base, h = front.attach(buf_size), front.module(signature=None)
+    descs = [_desc(base + buf_size - 64, (16,), "float32")] * n
+    front.conn.bufs[base].region.mm[:80 * n] = P.encode_descs(descs)
+    return P.InferLarge(module_handle=h, num_inputs=n, descs_addr=base, descs_size=80 * n, input_dsp_addr=base,
+                        input_size=buf_size, result_dsp_addr=base, result_size=buf_size)
+
+
+def test_infer_large_takes_up_to_4096_inputs(front):
+    assert MAX_INPUTS == 4096
+    job = submitted(front(_large(front, 4096, 4096 * 80 + 4096)))
+    assert len(job.plan.spec.inputs) == 4096
+
+
+def test_infer_large_with_4097_inputs_is_invalid(front):
+    assert status(front(_large(front, 4097, 4097 * 80 + 4096))) == S.ERR_INVALID
+
+
+def test_infer_large_descriptor_table_outside_the_connection_is_err_addr(front):
+    base, h = front.attach(4096), front.module()
+    req = P.InferLarge(module_handle=h, num_inputs=1, descs_addr=base + 4096 - 40, descs_size=80,
+                       input_dsp_addr=base, input_size=4096, result_dsp_addr=base, result_size=4096)
+    assert status(front(req)) == S.ERR_ADDR
+    assert Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, req.encode()) is None  # not plannable
+
+
+# ---------------------------------------------------------------- INFER addresses and descriptors
+
+def test_infer_result_range_not_owned_is_err_addr(front):
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)], out=(base + 2048, 4096)))) == S.ERR_ADDR
+
+
+def test_infer_input_range_that_wraps_64_bits_is_err_addr(front):
+    base, h = front.attach(4096), front.module()
+    req = infer_req(base, h, 4096, [_desc(base + 128)])
+    req.input_size = (1 << 64) - 1
+    assert status(front(req)) == S.ERR_ADDR
+
+
+def test_infer_input_may_end_on_the_input_ranges_last_byte(front):
+    base, h = front.attach(4096), front.module()
+    assert submitted(front(infer_req(base, h, 1024, [_desc(base + 1024 - 64)])))
+    assert status(front(infer_req(base, h, 1024, [_desc(base + 1024 - 63)]))) == S.ERR_ADDR
+
+
+def test_infer_input_in_the_kv_region_is_accepted(front):
+    st = front.attach(MiB, staging=True, kv=4096)
+    base, h = front.attach(4096), front.module()
+    kv_addr = st + MiB - 4096
+    job = submitted(front(infer_req(base, h, 4096, [_desc(kv_addr + 64)])))
+    assert job.plan.spec.inputs[0][:2] == (front.conn.bufs[st].buf_id, MiB - 4096 + 64)
+    assert job.plan.spec.kv == (front.conn.bufs[st].buf_id, MiB - 4096, 4096, kv_addr)
+
+
+def test_infer_input_in_staging_below_the_kv_region_is_err_addr(front):
+    st = front.attach(MiB, staging=True, kv=4096)
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 4096, [_desc(st + MiB - 4096 - 32)]))) == S.ERR_ADDR
+
+
+def test_infer_input_in_another_connections_kv_region_is_err_addr(front):
+    other = _other_conn(front)
+    b = memory.DmaBuf(MiB)
+    front.bufs.append(b)
+    (r,) = responses(front.h.handle(other, P.BufAttach(size=MiB, flags=P.ATTACH_STAGING, kv_size=4096),
+                                    [os.dup(b.fd)]))
+    kv = r.dsp_addr + MiB - 4096
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 4096, [_desc(kv)]))) == S.ERR_ADDR
+
+
+def test_kv_resident_with_a_kv_region_is_a_job_that_says_so(front):
+    front.attach(MiB, staging=True, kv=4096)
+    base, h = front.attach(4096), front.module()
+    spec = submitted(front(infer_req(base, h, 4096, [_desc(base + 128)], flags=P.FLAG_KV_RESIDENT))).plan.spec
+    assert spec.kv_resident and spec.kv is not None
+
+
+@pytest.mark.parametrize("why,desc", [
+    ("ndim", P.TensorDesc(0, 64, 7, 2, 32, (1,) * 6)),
+    ("ndim", P.TensorDesc(0, 64, -1, 2, 32, ())),
+    ("dtype", P.TensorDesc(0, 64, 1, 2, 8, (64,))),
+    ("dtype", P.TensorDesc(0, 64, 1, 3, 32, (16,))),
+    ("negative", P.TensorDesc(0, 64, 2, 2, 32, (-4, -4))),
+    ("data_size", P.TensorDesc(0, 60, 2, 2, 32, (2, 8))),
+])
+def test_a_malformed_descriptor_is_err_tensor_naming_what(front, why, desc):
+    base, h = front.attach(4096), front.module(signature=None)
+    d = P.TensorDesc(base + 128, desc.data_size, desc.ndim, desc.dtype_code, desc.dtype_bits, desc.shape)
+    assert status(front(infer_req(base, h, 4096, [d]))) == S.ERR_TENSOR
+    (e,) = responses(front(P.GetError()))
+    assert why.encode() in e.payload
+
+
+def test_input_count_against_the_signature_is_err_tensor(front):
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 4096, [_desc(base + 128), _desc(base + 256)]))) == S.ERR_TENSOR
+
+
+def test_a_module_without_a_signature_takes_any_well_formed_inputs(front):
+    base, h = front.attach(4096), front.module(signature=None)
+    job = submitted(front(infer_req(base, h, 4096, [_desc(base + 128, (3,), "int8"), _desc(base + 192)])))
+    assert [i[2:] for i in job.plan.spec.inputs] == [((3,), "int8"), ((2, 8), "float32")]
+
+
+# ---------------------------------------------------------------- RPC
+
+def _rpc(front, **kw):
+    front.st.op_table[0x1402] = ("softmax", 0, 0)
+    base = front.attach(4096)
+    fields = dict(cmd=0x1402, input_dsp_addr=base, input_size=16, output_dsp_addr=base + 64, output_size=16)
+    fields.update({k: (v(base) if callable(v) else v) for k, v in kw.items()})
+    return front(P.Rpc(**fields))
+
+
+@pytest.mark.parametrize("priority", [0, 255])
+def test_rpc_priority_0_to_255_is_accepted(front, priority):
+    assert submitted(_rpc(front, priority=priority)).priority == priority
+
+
+@pytest.mark.parametrize("priority", [256, 1 << 31, (1 << 32) - 1])
+def test_rpc_priority_past_255_is_invalid(front, priority):
+    assert status(_rpc(front, priority=priority)) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("core,want", [(-1, None), (0, None), (1, None), (2, S.ERR_INVALID), (-2, S.ERR_INVALID)])
+def test_rpc_core_is_any_or_an_existing_index(front, core, want):
+    actions = _rpc(front, core=core)
+    if want is None:
+        assert submitted(actions).core == core
+    else:
+        assert status(actions) == want
+
+
+@pytest.mark.parametrize("field", ["input", "output"])
+def test_rpc_range_outside_the_connection_is_err_addr(front, field):
+    assert status(_rpc(front, **{f"{field}_dsp_addr": lambda b: b + 4090})) == S.ERR_ADDR
+
+
+def test_rpc_without_a_timeout_has_no_deadline_unless_the_device_sets_one(front):
+    assert submitted(_rpc(front)).deadline is None
+    f2 = Front()
+    f2.h.job_timeout_s = 5.0
+    try:
+        assert submitted(_rpc(f2)).deadline is not None
+    finally:
+        for b in f2.bufs:
+            b.close()
+
+
+# ---------------------------------------------------------------- GET_ERROR / POOL_STATUS
+
+def test_get_error_reports_the_last_failure_only(front):
+    front(P.BufDetach(seq=1, dsp_addr=0x10))
+    front(P.DynUnload(seq=2, module_handle=77))
+    (e,) = responses(front(P.GetError(seq=3)))
+    assert (e.error_seq, e.error_status) == (2, S.ERR_HANDLE) and b"77" in e.payload
+
+
+def test_get_error_text_is_cut_to_fit_a_datagram(front):
+    front.h.handle(front.conn, P.Ping(seq=1), [])
+    front.conn.last_error = (1, S.ERR_LOAD, "x" * 2000)
+    (e,) = responses(front(P.GetError(seq=2)))
+    assert len(e.payload) == P.GetErrorResp.MAX_TEXT and len(e.encode()) == P.MAX_MSG
+
+
+def test_pool_status_counts_modules_not_op_libraries(front):
+    front.module()
+    h = front.st.new_id()
+    front.st.modules[h] = ModuleRec(h, front.conn.cid, 0, 0, "oplib")
+    front.st.op_table[1] = ("a", 0, h)
+    front.attach(8192)
+    (r,) = responses(front(P.PoolStatus()))
+    assert (r.modules, r.op_count, r.connections, r.cores, r.carveout_used) == (1, 1, 1, 2, 8192)
+    assert (r.ddr_total, r.carveout_total, r.l2_total) == (8 * MiB, 64 * MiB, memory.L2_SIZE)
+
+
+def test_a_handler_bug_is_not_a_refusal_it_propagates_to_the_loop(front):
+    """The loop turns an unexpected exception into ERR_GENERIC (test_device);
+    handle() answers only Reject, so a bug is never mistaken for a status."""
+    front.h._table[P.MsgType.PING] = lambda *a: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        front(P.Ping())
+
+
+def test_failure_with_no_connection_answers_nothing():
+    from dspx.device.front.handlers import failure
+    assert failure(None, P.Ping(), Reject(S.ERR_INVALID, "x")) == []
+
+
+def test_cores_default_rss_is_zero():
+    assert Cores(1, lambda i: 1).rss() == 0
+
+
+def test_submit_and_respond_are_distinct_actions(front):
+    front.attach(MiB, staging=True)
+    actions = front(P.DynLoad(elf_size=10))
+    assert [type(a) for a in actions] == [Submit]
+    assert [type(a) for a in front(P.Ping())] == [Respond]
