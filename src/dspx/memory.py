@@ -55,8 +55,8 @@ class WindowFull(MemoryError):
         self.requested, self.free, self.total, self.largest = requested, free, total, largest
 
 
-def page_align(n: int) -> int:
-    return (n + PAGE - 1) // PAGE * PAGE
+def page_align(n: int, unit: int = PAGE) -> int:
+    return (n + unit - 1) // unit * unit
 
 
 class FirstFit:
@@ -203,9 +203,11 @@ class DmaBuf:
 
 # ---------------------------------------------------------------- device side
 
-def map_attached(fd: int, size: int) -> mmap.mmap:
-    """Map a dmabuf fd received from a host, after checking it is a sealed
-    memfd at least ``size`` bytes long.  Raises ValueError on anything else."""
+def open_attached(fd: int, size: int) -> "FileView":
+    """Check a dmabuf fd received from a host — a sealed memfd, open for
+    reading and writing, at least ``size`` bytes long — and return a view
+    that reads and writes it through the fd.  Raises ValueError on anything
+    else."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise ValueError("attached fd is not a memory file")
@@ -215,9 +217,51 @@ def map_attached(fd: int, size: int) -> mmap.mmap:
         raise ValueError("attached fd is not a sealable memfd") from None
     if seals & REQUIRED_SEALS != REQUIRED_SEALS:
         raise ValueError("attached memfd must be sealed against shrink, grow and further sealing")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise ValueError("attached memfd must be open for reading and writing")
     if size <= 0 or size > st.st_size:
         raise ValueError(f"attach size {size} but the memfd holds {st.st_size} bytes")
-    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    return FileView(fd, size)
+
+
+class FileView:
+    """An attached buffer as the device front sees it: bytes read and written
+    through its fd (pread/pwrite).  The front touches a few bytes of a buffer
+    now and then (a descriptor table, an op library's source, the printf
+    header), and a mapping would cost a second fd per buffer (Python's mmap
+    keeps a dup of the one it maps)."""
+
+    __slots__ = ("fd", "size")
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size = fd, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, key: slice) -> bytes:
+        start, stop, step = key.indices(self.size)
+        if step != 1:
+            raise ValueError("FileView slices are contiguous")
+        n = max(0, stop - start)
+        data = os.pread(self.fd, n, start) if n else b""
+        if len(data) != n:
+            raise ValueError(f"read {len(data)} of {n} bytes at {start}")
+        return data
+
+    def __setitem__(self, key: slice, data) -> None:
+        start, stop, step = key.indices(self.size)
+        if step != 1 or stop - start != len(data):
+            raise ValueError("FileView slice assignment must keep the length")
+        self.write(start, bytes(data))
+
+    def write(self, offset: int, data: bytes) -> None:
+        if offset < 0 or offset + len(data) > self.size:
+            raise ValueError(f"write [{offset}, +{len(data)}) outside a {self.size}-byte buffer")
+        os.pwrite(self.fd, data, offset)
+
+    def close(self) -> None:
+        """Nothing to unmap; the fd belongs to whoever opened the view."""
 
 
 @dataclass
@@ -227,7 +271,7 @@ class Region:
     buf_id: int
     addr: int
     size: int
-    mm: mmap.mmap | None = None
+    mm: object = None  # mmap.mmap (cores) or FileView (the front)
     kind: str = "dmabuf"
 
     def end(self) -> int:

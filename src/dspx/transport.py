@@ -18,7 +18,7 @@ import time
 from .abi.protocol import MAX_MSG
 
 # Plain ints: socket's IntFlag members go through enum machinery on every use.
-_TRUNC = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
+_TRUNC = int(socket.MSG_TRUNC)  # MSG_CTRUNC only means fds beyond max_fds were dropped (closed by the kernel)
 _CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 MAX_FDS = 4  # a protocol message carries at most one dmabuf; a few more are tolerated and closed
@@ -45,25 +45,61 @@ def default_socket_path() -> str:
     return os.path.join(base, f"dspx-{os.getuid()}", "dsp0.sock")
 
 
-def peer_uid(sock: socket.socket) -> int:
+def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end (SO_PEERCRED)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid
+    return struct.unpack("3i", creds)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    return peer_cred(sock)[1]
+
+
+class UntrustedPath(TransportError):
+    """A socket directory another user could control, or a listener of another uid."""
+
+
+def socket_dir(path: str, create: bool = True) -> str:
+    """The socket's parent directory, checked like a file opened O_NOFOLLOW:
+    a real directory (not a symlink), owned by us, mode 0700.  It is created
+    (0700) when missing; an existing one is never chmodded or followed —
+    anything else is refused (UntrustedPath), so a directory another user
+    planted (say a symlinked ``dspx-<uid>`` in sticky /tmp) is not used."""
+    d = os.path.dirname(os.path.abspath(path))
+    if create:
+        os.makedirs(os.path.dirname(d), exist_ok=True)
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UntrustedPath(f"socket directory {d} is a symlink or not a directory; refusing to use it") from None
+        raise UntrustedPath(f"cannot open socket directory {d}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if st.st_uid != os.getuid():
+        raise UntrustedPath(f"socket directory {d} is owned by uid {st.st_uid}, not {os.getuid()}; refusing to use it")
+    if st.st_mode & 0o777 != 0o700:
+        raise UntrustedPath(f"socket directory {d} has mode {st.st_mode & 0o777:04o}, must be 0700; refusing to "
+                            f"use it (chmod 700 it if it is yours)")
+    return d
 
 
 def listen(path: str, backlog: int = 64) -> socket.socket:
-    """Bind a listening socket: parent directory 0700 (owned by us), socket
-    0600.  A stale socket file (nothing listening) is replaced; a live one is
-    an error."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    st = os.stat(d)
-    if st.st_uid != os.getuid():
-        raise TransportError(f"socket directory {d} is owned by uid {st.st_uid}, not {os.getuid()}")
-    if d.startswith(("/tmp/", os.environ.get("XDG_RUNTIME_DIR") or "/nonexistent")) and \
-            os.path.basename(d).startswith("dspx-"):
-        os.chmod(d, 0o700)
-    if os.path.exists(path):
+    """Bind a listening socket: parent directory checked by ``socket_dir``,
+    socket 0600.  A stale socket file (nothing listening) is replaced; a
+    live one is an error."""
+    socket_dir(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
         if is_listening(path):
             raise TransportError(f"a device is already listening on {path}")
         os.unlink(path)
@@ -90,11 +126,25 @@ def is_listening(path: str) -> bool:
         s.close()
 
 
+def check_peer_uid(uid: int, path: str, expected: int | None = None) -> None:
+    """Refuse a listener that runs as another user: it could be anyone's
+    stand-in for the device, and would receive our dmabufs."""
+    expected = os.getuid() if expected is None else expected
+    if uid != expected:
+        raise UntrustedPath(f"the process listening on {path} runs as uid {uid}, not {expected}; refusing to "
+                            f"talk to it (it is not your device)")
+
+
 def connect(path: str, timeout: float = 5.0) -> "Endpoint":
+    """Connect to a device, checking (SO_PEERCRED) that it runs as our uid."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     s.settimeout(timeout)
     try:
         s.connect(path)
+        check_peer_uid(peer_uid(s), path)
+    except UntrustedPath:
+        s.close()
+        raise
     except OSError as e:
         s.close()
         raise TransportError(f"cannot connect to device socket {path}: {e.strerror or e}") from None

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from .. import memory
-from ..transport import default_socket_path
+from ..transport import TransportError, default_socket_path
 from .front.loop import Service
 
 
@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     ap.add_argument("--job-timeout", type=float, default=0.0,
                     help="seconds a task or inference may run before it is stopped (0: no limit; "
                          "an RPC's own timeout_ms wins)")
+    ap.add_argument("--conn-memory", type=parse_size, default=None,
+                    help="window bytes one connection may attach (default: 3/4 of the carveout window)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     from .. import trace  # DSPX_TRACE: record the front's timeline (docs/profiling.md)
@@ -35,9 +37,13 @@ def main(argv=None) -> int:
     if a.cores < 1:
         ap.error("--cores must be at least 1")
     log = (lambda *m: None) if a.quiet else (lambda *m: print("dspx-device:", *m, file=sys.stderr, flush=True))
-    svc = Service(a.socket or default_socket_path(), a.carveout_size, a.ddr_pool_size, a.cores, a.threads,
-                  a.parent_pid, log, a.job_timeout)
-    svc.serve_forever()
+    try:
+        svc = Service(a.socket or default_socket_path(), a.carveout_size, a.ddr_pool_size, a.cores, a.threads,
+                      a.parent_pid, log, a.job_timeout, a.conn_memory)
+        svc.serve_forever()
+    except TransportError as e:  # e.g. an untrusted socket directory
+        print(f"dspx-device: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

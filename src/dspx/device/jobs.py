@@ -14,6 +14,7 @@ client can send anything that depends on it.
 """
 from __future__ import annotations
 
+import os
 import pickle
 import struct
 from dataclasses import dataclass, field
@@ -183,8 +184,16 @@ def endpoint(sock) -> Endpoint:
     return Endpoint(sock, MAX_JOB_MSG, MAX_JOB_FDS)
 
 
+class RecordTooLarge(ValueError):
+    """A record that does not fit one internal message (MAX_JOB_MSG)."""
+
+
 def encode(rec) -> bytes:
-    return pickle.dumps(rec, protocol=pickle.HIGHEST_PROTOCOL)
+    data = pickle.dumps(rec, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(data) > MAX_JOB_MSG:
+        raise RecordTooLarge(f"{type(rec).__name__} of {len(data)} bytes exceeds the internal limit of "
+                             f"{MAX_JOB_MSG} bytes")
+    return data
 
 
 def send(ep: Endpoint, rec, fds=()) -> None:
@@ -195,7 +204,6 @@ def recv(ep: Endpoint, timeout: float | None = None):
     data, fds, truncated = ep.recv(timeout, bufsize=MAX_JOB_MSG)
     if truncated:
         for fd in fds:
-            import os
             os.close(fd)
         raise ValueError("internal job message truncated")
     return pickle.loads(data), fds

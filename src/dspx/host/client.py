@@ -25,7 +25,7 @@ from ..abi import layout, protocol as P
 from ..errors import CapacityError, DeviceError, DeviceLost, DeviceTimeout, DspxError, VersionMismatch
 from ..memory import DmaBuf
 from ..abi.protocol import Status
-from ..transport import PeerClosed, Timeout, TransportError, connect
+from ..transport import PeerClosed, Timeout, TransportError, UntrustedPath, connect
 from . import launcher
 from .session import Session, failure
 
@@ -56,8 +56,14 @@ class Client:
     """A session with the device.  Use as a context manager."""
 
     def __init__(self, socket: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-                 staging_size: int = memory.STAGING_SIZE, kv_size: int = memory.KV_SIZE,
+                 staging_size: int | None = None, kv_size: int | None = None,
                  printf_size: int = memory.PRINTF_SIZE, cores: int = 1, device_args=()):
+        """``staging_size`` / ``kv_size``: None (the default) allocates the
+        staging buffer and its KV region on first need, sized to that need
+        (up to STAGING_SIZE / KV_SIZE), so a client that only pings or runs
+        tasks takes none of the shared window; a number reserves exactly that
+        at open (the staging buffer then lands first, at the window base);
+        0 means none at all."""
         self.timeout = timeout
         self.session = Session()
         self._infer_plans: dict = {}  # layouts of recent inferences (see infer)
@@ -67,12 +73,20 @@ class Client:
         self.socket_path = path
         try:
             self.ep = connect(path, timeout=min(timeout, 10.0))
+        except UntrustedPath as e:  # another user's listener: not a device to talk to
+            self._stop_device()
+            raise DspxError(str(e)) from None
         except TransportError as e:
             self._stop_device()
             raise DeviceLost(str(e)) from None
         self.bufs: list[DmaBuf] = []
         self.staging: DmaBuf | None = None
-        self.kv_size = 0
+        lazy = staging_size is None
+        # Limits of what staging / KV may grow to; kv_size is the KV region this
+        # client offers (allocated on first use when lazy).
+        self.staging_limit = memory.STAGING_SIZE if lazy else staging_size
+        self.kv_size = (memory.KV_SIZE if kv_size is None else kv_size) if self.staging_limit else 0
+        self._kv_attached = 0
         self.printf_buf: DmaBuf | None = None
         self._printf_read = 0
         self.input_buf: DmaBuf | None = None
@@ -83,18 +97,56 @@ class Client:
             if (pong.version >> 16) != (P.VERSION >> 16):
                 raise VersionMismatch(P.VERSION, pong.version)
             self.device_version = pong.version
-            if staging_size:
-                self.staging = self.attach(DmaBuf(staging_size + kv_size, "dspx-staging"), staging=True,
-                                           kv_size=kv_size)
-                self.kv_size = kv_size
-                if kv_size:
-                    self.session.io.kv_addr = self.staging.dsp_addr + self.staging.size - kv_size
+            if not lazy and staging_size:
+                self._attach_staging(staging_size, self.kv_size)
             if printf_size:
                 self.printf_buf = self.attach(DmaBuf(printf_size, "dspx-printf"))
                 self.request(P.SetPrintfBuf(printf_dsp_addr=self.printf_buf.dsp_addr, printf_size=printf_size))
         except BaseException:
             self.close()
             raise
+
+    def _attach_staging(self, room: int, kv: int) -> None:
+        """Attach a staging buffer with ``room`` bytes for staged data and a
+        ``kv``-byte KV region at its end, replacing the current one (its KV
+        contents are carried over)."""
+        old, old_kv = self.staging, self._kv_attached
+        new = DmaBuf(room + kv, "dspx-staging")
+        if old is not None:
+            if old_kv:
+                n = min(old_kv, kv)
+                new.mm[new.size - kv:new.size - kv + n] = old.mm[old.size - old_kv:old.size - old_kv + n]
+            self.request(P.BufDetach(dsp_addr=old.dsp_addr))
+            self.bufs.remove(old)
+        try:
+            self.staging = self.attach(new, staging=True, kv_size=kv)
+        except BaseException:
+            new.close()
+            self.staging = None
+            if old is not None:  # put the old one back
+                try:
+                    self.staging = self.attach(old, staging=True, kv_size=old_kv)
+                except DspxError:
+                    old.close()
+                    self._kv_attached = 0
+                    self.session.io.kv_addr = 0
+            raise
+        if old is not None:
+            old.close()
+        self._kv_attached = kv
+        self.session.io.kv_addr = new.dsp_addr + new.size - kv if kv else 0
+
+    def _need_staging(self, room: int = 0, kv: bool = False) -> None:
+        """Grow (or first attach) staging to hold ``room`` staged bytes, and the KV region if ``kv``."""
+        if not self.staging_limit:
+            raise DspxError("this client was opened without a staging buffer (staging_size=0)")
+        have_room = self.staging.size - self._kv_attached if self.staging is not None else 0
+        want_kv = self.kv_size if kv or self._kv_attached else 0
+        if room <= have_room and want_kv <= self._kv_attached:
+            return
+        # Sized to the need, in whole MiB so that a few loads do not each re-attach.
+        want_room = max(have_room, min(self.staging_limit, memory.page_align(max(room, 1), 1 << 20)))
+        self._attach_staging(want_room, want_kv)
 
     # ---------------------------------------------------------------- plumbing
     def __enter__(self):
@@ -258,10 +310,11 @@ class Client:
 
     # ---------------------------------------------------------------- modules
     def _stage(self, data, what: str) -> int:
-        if self.staging is None:
-            raise DspxError("this client was opened without a staging buffer (staging_size=0)")
-        room = self.staging.size - self.kv_size
         n = len(data)
+        if self.staging_limit and n > self.staging_limit:
+            raise CapacityError(n, self.staging_limit, what, "staging")
+        self._need_staging(n)
+        room = self.staging.size - self._kv_attached
         if n > room:
             raise CapacityError(n, room, what, "staging")
         self.staging.begin_cpu_access(memory.SYNC_WRITE)
@@ -348,6 +401,8 @@ class Client:
         not shown (dspx.host.profile reads it)."""
         if self._closed:
             raise DspxError("client is closed")
+        if kv_inputs or kv_resident:
+            self._need_staging(kv=True)
         io = self.session.io
         offsets = [self.in_input_buf(a) for a in inputs]
         # A call shaped like an earlier one (same module, same io buffers, same
@@ -396,7 +451,8 @@ class Client:
         """A numpy view into this connection's KV region."""
         if not self.kv_size:
             raise DspxError("this client has no KV region")
-        return self.staging.array(self.staging.size - self.kv_size + offset, shape, dtype)
+        self._need_staging(kv=True)
+        return self.staging.array(self.staging.size - self._kv_attached + offset, shape, dtype)
 
     # ---------------------------------------------------------------- close
     def _stop_device(self) -> None:

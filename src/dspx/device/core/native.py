@@ -291,6 +291,9 @@ def _probe(path: str, filename: str) -> None:
         raise OpLoadError(f"{filename}: {INIT_SYMBOL} did not return within {PROBE_TIMEOUT_S} s")
     if out.signal:
         raise OpLoadError(f"{filename}: {INIT_SYMBOL} crashed ({out.signal_name})")
+    if not out.returned:
+        raise OpLoadError(f"{filename}: loading the library or its {INIT_SYMBOL} ended the process (exit status "
+                          f"{out.exit_code})")
 
 
 class NativeLibrary:

@@ -135,6 +135,29 @@ def check_source(tree: ast.Module) -> None:
                                         "table (dspx.device.core.runtime.__all__)", line)
 
 
+MAX_TEXT = 4096  # characters of an exception's text kept in a status message
+
+
+def clip(text: str, limit: int = MAX_TEXT) -> str:
+    """An exception's text, bounded: a 2 MB message must not become a 2 MB reply."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} … [{len(text) - 2 * half} characters left out] … {text[-half:]}"
+
+
+def check_op_name(cmd: int, name, filename: str) -> None:
+    """An op's name travels in every OPS_LIST: it must be text that encodes."""
+    if not isinstance(name, str) or not name:
+        raise OpLoadError(f"{filename}: op 0x{cmd:x} has name {type(name).__name__} {clip(repr(name), 80)}; "
+                          "an op name is a non-empty str")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise OpLoadError(f"{filename}: op 0x{cmd:x} name {name!r} cannot be encoded as UTF-8 ({e.reason} at "
+                          f"{e.start})") from None
+
+
 def _line_in(tb, filename: str) -> int:
     line = 0
     for frame, lineno in traceback.walk_tb(tb):
@@ -197,6 +220,8 @@ class OpRegistry:
         linecache.cache[code_name] = (len(source), None, source.splitlines(True), code_name)
         try:
             ops = self._run_top_level(tree, filename, code_name, namespace)
+            for cmd, _, _, name in ops:
+                check_op_name(cmd, name, filename)
             for i, (cmd, _, _, name) in enumerate(ops):
                 if cmd in self._ops:
                     raise OpBusy(cmd, self._ops[cmd].lib, self._ops[cmd].name)
@@ -255,10 +280,12 @@ class OpRegistry:
         try:
             with runtime.collecting() as collected:
                 exec(compile(tree, code_name, "exec"), namespace)
-        except Exception as e:
+        except SystemExit:
+            raise  # the worker names it: user code tried to end the core
+        except BaseException as e:  # KeyboardInterrupt too: a status, not the end of the core
             line = _line_in(e.__traceback__, code_name)
             where = f", line {line}" if line else ""
-            raise OpLoadError(f"{filename}{where}: {type(e).__name__}: {e}", line) from None
+            raise OpLoadError(f"{filename}{where}: {type(e).__name__}: {clip(str(e))}", line) from None
         if not collected.ops:
             raise OpLoadError(f"{filename}: the library registers no operators (call register_op)")
         return collected.ops
@@ -295,10 +322,10 @@ class OpRegistry:
             start = runtime.cycles()
             try:
                 rv = op.handler(input, output, task.core.tm)
-            except (Exception, SystemExit) as e:
+            except BaseException as e:  # KeyboardInterrupt, SystemExit …: a status for this caller only
                 rv = None
                 status = e.status if isinstance(getattr(e, "status", None), Status) else Status.ERR_CALL
-                tb = "".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next))
+                tb = clip("".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)), 4 * MAX_TEXT)
                 task.write(f"[dspx] op 0x{cmd:x} ({op.name}) raised:\n{tb}")
             elapsed = (runtime.cycles() - start) & ((1 << 64) - 1)
         for note in task.core.settle():
@@ -306,7 +333,7 @@ class OpRegistry:
         if status == Status.SUCCESS:
             if isinstance(rv, bool) or not isinstance(rv, numbers.Integral):
                 status = Status.ERR_CALL
-                task.write(f"[dspx] op 0x{cmd:x} ({op.name}) returned {rv!r}, not an int status\n")
+                task.write(f"[dspx] op 0x{cmd:x} ({op.name}) returned {clip(repr(rv), 200)}, not an int status\n")
             elif not INT32[0] <= int(rv) <= INT32[1]:
                 status = Status.ERR_CALL
                 task.write(f"[dspx] op 0x{cmd:x} ({op.name}) returned {int(rv)}, which does not fit int32\n")

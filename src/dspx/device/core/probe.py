@@ -19,6 +19,9 @@ class Outcome:
     hung: bool = False
     signal: int | None = None  # the signal that ended it
     exit_code: int = 0  # 0: fn returned; 1: fn raised; else how native code ended it
+    # fn itself came back (returned or raised).  A child that exits with 0
+    # without this — exit_group(0) in a constructor — did not load anything.
+    returned: bool = False
 
     @property
     def signal_name(self) -> str:
@@ -26,8 +29,10 @@ class Outcome:
 
 
 def in_child(fn: Callable[[], object], timeout_s: int) -> Outcome:
+    r, w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:  # the child: never returns, never talks to the front
+        os.close(r)
         code = 0
         try:
             import ctypes
@@ -48,7 +53,9 @@ def in_child(fn: Callable[[], object], timeout_s: int) -> Outcome:
             fn()
         except BaseException:
             code = 1
+        os.write(w, b"r")
         os._exit(code)
+    os.close(w)
     deadline = time.monotonic() + timeout_s + 5
     done, status = 0, 0
     try:
@@ -62,7 +69,13 @@ def in_child(fn: Callable[[], object], timeout_s: int) -> Outcome:
         if not done:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+        try:
+            os.set_blocking(r, False)
+            returned = os.read(r, 1) == b"r"
+        except OSError:
+            returned = False
+        os.close(r)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         return Outcome(hung=True) if sig == signal.SIGALRM else Outcome(signal=sig)
-    return Outcome(exit_code=os.WEXITSTATUS(status))
+    return Outcome(exit_code=os.WEXITSTATUS(status), returned=returned)

@@ -24,6 +24,7 @@ from ...abi.protocol import Status
 from ...transport import Endpoint, PeerClosed
 from .. import jobs
 from . import probe
+from .ops import clip
 
 # Module bytes are loaded once in a forked child before the core maps them
 # (see CoreWorker._probe_load); DSPX_LOAD_PROBE=0 turns that off.
@@ -215,9 +216,9 @@ class CoreWorker:
         if out.signal:
             raise LoadError(f"the module crashed the loader ({out.signal_name}); "
                             f"it is damaged or not a module for this device")
-        if out.exit_code not in (0, 1):
-            raise LoadError(f"the module aborted the loader (exit status {out.exit_code}); "
-                            f"it is damaged or not a module for this device")
+        if out.exit_code not in (0, 1) or not out.returned:
+            raise LoadError(f"the module ended the loading process (exit status {out.exit_code}) before the "
+                            f"load returned; it is damaged or not a module for this device")
 
     # ---------------------------------------------------------------- calls (INFER, RPC)
     def _plan(self, rec: jobs.Call):
@@ -256,13 +257,16 @@ class CoreWorker:
                 if res.status != Status.SUCCESS:
                     status = res.status
                     error = res.printf.strip().splitlines()[-1] if res.printf.strip() else ""
-        except (Exception, SystemExit) as e:
+        except BaseException as e:  # KeyboardInterrupt, SystemExit …: a status for this caller, not the core's end
             status = getattr(e, "status", Status.ERR_GENERIC)
+            if not isinstance(status, int):
+                status = Status.ERR_GENERIC
             if isinstance(e, SystemExit):
                 status, e = Status.ERR_CALL, RuntimeError(f"call raised SystemExit({e.code!r}); the core keeps running")
             error = f"{type(e).__name__}: {e}" if status == Status.ERR_GENERIC else str(e)
             if status == Status.ERR_GENERIC:
                 error += "\n" + traceback.format_exc()
+            error = clip(error)
         if resp is None:
             req_type = P.MsgType.RPC if isinstance(spec, jobs.RpcSpec) else (
                 spec.resp_type & ~P.RESPONSE_BIT if spec is not None else P.MsgType.INFER)
@@ -275,8 +279,8 @@ class CoreWorker:
             jobs.STATUS_WORD.pack_into(self.status, jobs.STATUS_DONE, rec.job)
             wake = jobs.STATUS_WORD.unpack_from(self.status, jobs.STATUS_WAKE)[0] != 0
         else:
-            jobs.send(self.ep, jobs.Done(rec.job, int(status), error, rec.seq, numbers,
-                                         response=None if client is not None else resp))
+            self.reply(jobs.Done(rec.job, int(status), error, rec.seq, numbers,
+                                 response=None if client is not None else resp))
         if client is not None:
             try:
                 client.send(resp, _DONTWAIT)
@@ -319,9 +323,11 @@ class CoreWorker:
                     done.value = self.handle(rec)
                 finally:
                     self._running_job = None
-            except (Exception, SystemExit) as e:  # every failure becomes a status, the core keeps serving
-                # (SystemExit too: an op library's top level or handler may raise it)
+            except BaseException as e:  # every failure becomes a status, the core keeps serving
+                # (SystemExit and KeyboardInterrupt too: an op library's code may raise them)
                 status = getattr(e, "status", Status.ERR_GENERIC)
+                if not isinstance(status, int):
+                    status = Status.ERR_GENERIC
                 if isinstance(e, SystemExit):  # user code tried to end the core
                     status = Status.ERR_LOAD if isinstance(rec, (jobs.LoadModule, jobs.LoadOps)) else Status.ERR_CALL
                     e = RuntimeError(f"{type(rec).__name__} code raised SystemExit({e.code!r}); the core keeps running")
@@ -329,10 +335,19 @@ class CoreWorker:
                 done.error = f"{type(e).__name__}: {e}" if status == Status.ERR_GENERIC else str(e)
                 if status == Status.ERR_GENERIC:
                     done.error += "\n" + traceback.format_exc()
-                done.numbers = {k: getattr(e, k) for k in ("oom_requested", "oom_free", "oom_total", "error_line")
-                                if hasattr(e, k)}
+                done.error = clip(done.error)
+                done.numbers = {k: v for k in ("oom_requested", "oom_free", "oom_total", "error_line")
+                                if isinstance(v := getattr(e, k, None), int)}
             if rec.job:
-                jobs.send(self.ep, done)
+                self.reply(done)
+
+    def reply(self, done: jobs.Done) -> None:
+        """Send a Done; one too large for the channel becomes a failure that fits."""
+        try:
+            jobs.send(self.ep, done)
+        except jobs.RecordTooLarge as e:
+            jobs.send(self.ep, jobs.Done(done.job, int(Status.ERR_GENERIC), f"the result could not be reported: {e}",
+                                         done.seq))
 
 
 def _die_with_parent() -> None:
@@ -362,16 +377,15 @@ def main(argv=None) -> None:
     _die_with_parent()
     from ... import trace  # DSPX_TRACE: record this core's timeline (docs/profiling.md)
     trace.install_core(a.index)
+    # Ctrl-C reaches the whole process group: the front decides when cores stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=a.fd)
     status = None
     if a.status_fd is not None:
         status = mmap.mmap(a.status_fd, jobs.STATUS_SIZE)
         os.close(a.status_fd)
     core = CoreWorker(jobs.endpoint(sock), a.index, a.threads, status)
-    try:
-        core.serve()
-    except KeyboardInterrupt:
-        pass
+    core.serve()
     sys.exit(0)
 
 

@@ -13,6 +13,7 @@ buffers, printf ring, modules or models: ``invalidate``).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,7 +23,7 @@ from ...abi import layout, protocol as P
 from ...abi.protocol import Status as S
 from ...memory import Region
 from .. import jobs
-from .state import (MAX_BUFS_PER_CONN, MAX_INPUTS, MAX_OPLIB_SOURCE, MAX_PLANS_PER_CONN, Buffer, Conn,
+from .state import (MAX_INPUTS, MAX_OPLIB_SOURCE, MAX_PLANS_PER_CONN, Buffer, Conn,
                     DeviceState, ModelRec, ModuleRec, Plan, Reject)
 
 INFERENCE_CORE = 0  # compiled modules and their weights live on core 0
@@ -196,9 +197,13 @@ class Handlers:
             raise Reject(S.ERR_INVALID, f"BUF_ATTACH needs exactly one fd, got {len(fds)}")
         if req.flags & ~P.ATTACH_STAGING:
             raise Reject(S.ERR_INVALID, f"unknown attach flags 0x{req.flags:x}")
-        if len(conn.bufs) >= MAX_BUFS_PER_CONN:
+        lim = self.st.limits
+        if len(conn.bufs) >= lim.bufs_per_conn:
             raise Reject(S.ERR_NOMEM, f"connection has {len(conn.bufs)} buffers attached (limit "
-                                      f"{MAX_BUFS_PER_CONN})")
+                                      f"{lim.bufs_per_conn} per connection)")
+        if self.st.nbufs >= lim.bufs_total:
+            raise Reject(S.ERR_NOMEM, f"device has {self.st.nbufs} buffers attached (limit {lim.bufs_total} for "
+                                      f"all connections, from the fd limit {lim.nofile})")
         staging = bool(req.flags & P.ATTACH_STAGING)
         if staging and conn.staging is not None:
             raise Reject(S.ERR_INVALID, "this connection already has a staging buffer")
@@ -207,20 +212,25 @@ class Handlers:
         kv = req.kv_size
         if kv % 64 or kv > req.size:
             raise Reject(S.ERR_INVALID, f"KV region of {kv} bytes does not fit a {req.size}-byte staging buffer")
+        if lim.conn_bytes and conn.attached + req.size > lim.conn_bytes:
+            raise Reject(S.ERR_NOMEM, f"connection quota: {req.size} bytes requested, {conn.attached} of "
+                                      f"{lim.conn_bytes} attached by this connection already "
+                                      f"(free {lim.conn_bytes - conn.attached}; window total {self.st.window.size})")
         fd = fds[0]
         try:
-            mm = memory.map_attached(fd, req.size)
+            view = memory.open_attached(fd, req.size)
         except (ValueError, OSError) as e:
             raise Reject(S.ERR_INVALID, f"cannot attach: {e}") from None
         try:
             addr = self.st.window.alloc(req.size)
         except memory.WindowFull as e:
-            mm.close()
             raise Reject(S.ERR_NOMEM, str(e)) from None
         fds.remove(fd)  # ours now
-        region = Region(self.st.new_id(), addr, req.size, mm)
+        region = Region(self.st.new_id(), addr, req.size, view)
         conn.space.add(region)
         conn.bufs[addr] = Buffer(region.buf_id, fd, region, staging, kv)
+        conn.attached += req.size
+        self.st.nbufs += 1
         return self.invalidate(conn) + [Respond(P.BufAttachResp(seq=req.seq, dsp_addr=addr, size=req.size))]
 
     def h_buf_detach(self, conn, req, fds):
@@ -237,12 +247,9 @@ class Handlers:
         conn.space.remove(addr)
         if conn.printf and b.region.addr <= conn.printf[0] < b.region.end():
             conn.printf = None
-        try:
-            b.region.mm.close()
-        except BufferError:
-            pass
-        import os
         os.close(b.fd)
+        conn.attached -= b.region.size
+        self.st.nbufs -= 1
         self.st.window.free(addr)
         return actions + [Forget(bufs=[b.buf_id])]
 
@@ -254,7 +261,9 @@ class Handlers:
                                         f"(at least {layout.PRINTF_MIN_SIZE})")
         b, off = conn.resolve(req.printf_dsp_addr, req.printf_size, "printf buffer")
         conn.printf = (req.printf_dsp_addr, req.printf_size)
-        layout.ring_init(b.region.mm, off, req.printf_size)
+        header = bytearray(layout.PRINTF_HEADER)
+        layout.ring_init(header, 0, req.printf_size)
+        b.region.mm.write(off, bytes(header))
         return self.invalidate(conn) + [Respond(P.SetPrintfBufResp(seq=req.seq))]
 
     @staticmethod

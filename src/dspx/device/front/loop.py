@@ -10,23 +10,27 @@ client or a core is non-blocking with a queue behind it.
 """
 from __future__ import annotations
 
+import errno
 import heapq
 import itertools
 import os
+import resource
 import select
 import signal
 import socket
 import subprocess
 import time
 
+import psutil
+
 from ... import memory
 from ...abi import protocol as P
 from ...abi.protocol import Status as S
-from ...transport import Endpoint, PeerClosed, Timeout, listen, peer_uid
+from ...transport import Endpoint, PeerClosed, Timeout, listen, peer_cred
 from .. import jobs
 from .cores import CoreProc
 from .handlers import Cores, Forget, FrontJob, Handlers, Notify, Respond, Submit, _NoRoom, _To, failure
-from .state import MAX_CONNS, MAX_PENDING, MAX_PENDING_PER_CONN, Conn, DeviceState, Reject
+from .state import MAX_PENDING, MAX_PENDING_PER_CONN, Conn, DeviceState, Limits, Reject
 
 # Responses the peer's socket could not take yet (it is not reading).  While a
 # connection has any, the front stops reading its requests, so the queue is
@@ -37,16 +41,35 @@ MAX_OUTBOX = MAX_PENDING_PER_CONN + 64
 # after this grace its core is killed and restarted, so the memory it holds
 # is freed within a second whatever the job does.
 ABORT_GRACE_S = 0.3
+# A connection refused at the limits is answered (ERR_BUSY, and GET_ERROR's
+# text says which limit) for this long, then closed; at most this many wait.
+REFUSED_LINGER_S = 2.0
+MAX_REFUSED = 16
 PLANNED = frozenset((P.MsgType.INFER, P.MsgType.INFER_LARGE, P.MsgType.RPC))
 _EPOLLIN, _EPOLLOUT = int(select.EPOLLIN), int(select.EPOLLOUT)
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (cores inherit it); return it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 class Service:
     def __init__(self, socket_path: str, carveout_size: int = memory.CARVEOUT_SIZE,
                  ddr_pool_size: int = memory.DDR_POOL_SIZE, cores: int = 1, threads: int = 0,
-                 parent_pid: int | None = None, log=None, job_timeout_s: float = 0.0):
+                 parent_pid: int | None = None, log=None, job_timeout_s: float = 0.0,
+                 conn_bytes: int | None = None):
         self.path = socket_path
         self.st = DeviceState(carveout_size, ddr_pool_size)
+        self.st.limits = Limits.for_device(raise_fd_limit(), carveout_size, conn_bytes)
         threads = threads or max(1, (os.cpu_count() or 1) // max(1, cores))
         self.cores = [CoreProc(i, threads) for i in range(cores)]
         self.handlers = Handlers(self.st, Cores(cores, lambda i: self.cores[i].alive_generation, self._rss),
@@ -61,17 +84,27 @@ class Service:
         self.running = False
         self.log = log or (lambda *a: None)
         self._accept_paused = 0.0  # when accept() ran out of fds: retry after this time
+        self._refused: dict[int, list] = {}  # fd -> [socket, close-by time, text, seq of the last refusal]
+        self._spare_fd = -1  # given up when accept() runs out of fds, to refuse the newcomer
 
     # ================================================================ lifecycle
     def serve_forever(self) -> None:
+        self.lsock = None
         self.running = True
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
-        self.lsock = listen(self.path)
-        self.lsock.setblocking(False)
+        lsock = listen(self.path)
+        self.lsock = lsock
+        lsock.setblocking(False)
         self._register(self.lsock.fileno(), self._accept, None)
+        self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         for c in self.cores:
             self._start_core(c)
+        lim = self.st.limits
+        self.log(f"listening on {self.path} with {len(self.cores)} core(s); window {self.st.window.size >> 20} MiB "
+                 f"({lim.conn_bytes >> 20} MiB per connection), DDR pool {self.st.ddr.size >> 20} MiB; limits: "
+                 f"{lim.conns} connections ({lim.conns_per_peer} per process), {lim.bufs_total} buffers "
+                 f"({lim.bufs_per_conn} per connection), fd limit {lim.nofile}")
         next_check = 0.0
         try:
             while self.running:
@@ -113,14 +146,16 @@ class Service:
         self.running = False
 
     def shutdown(self) -> None:
+        self.running = False
         for c in self.cores:
             c.stop()
+        for s, *_ in self._refused.values():
+            s.close()
         for conn in list(self.st.conns.values()):
             self._close_conn(conn, notify_cores=False)
-        try:
-            self.lsock.close()
-        except Exception:
-            pass
+        if self.lsock is None:  # never bound: the path is not ours to remove
+            return
+        self.lsock.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -144,14 +179,15 @@ class Service:
                 self._core_died(c)
             else:
                 self._check_running(c, now)
+        for fd, (_, until, *_) in list(self._refused.items()):
+            if now >= until:
+                self._drop_refused(fd)
         if self._accept_paused and now >= self._accept_paused:
             self._accept_paused = 0.0
             self._register(self.lsock.fileno(), self._accept, None)
 
     # ================================================================ cores
     def _rss(self) -> int:
-        import psutil
-
         return sum(psutil.Process(c.proc.pid).memory_info().rss for c in self.cores
                    if c.proc and c.proc.poll() is None) + psutil.Process().memory_info().rss
 
@@ -176,6 +212,8 @@ class Service:
             c.send(jobs.LoadOps(handle=handle, source=src, filename=fname))
 
     def _core_died(self, c: CoreProc) -> None:
+        if not self.running:  # shutting down (Ctrl-C reaches the whole process group): no restart, no news
+            return
         code = c.proc.poll() if c.proc else None
         self.log(f"core {c.index} died (exit {code}); restarting")
         started = c.ready
@@ -472,25 +510,98 @@ class Service:
             s, _ = self.lsock.accept()
         except (BlockingIOError, InterruptedError):
             return
-        except OSError as e:  # EMFILE/ENFILE/ENOMEM: stop accepting for a moment instead of spinning or dying
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE) and self._spare_fd >= 0:
+                # Out of fds: use the spare one to take the newcomer off the
+                # backlog and close it, so it is refused now instead of waiting.
+                os.close(self._spare_fd)
+                self._spare_fd = -1
+                try:
+                    self.lsock.accept()[0].close()
+                except OSError:
+                    pass
+                self.log(f"refused a connection: out of file descriptors ({e.strerror})")
+                try:
+                    self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    pass
+                return
+            # ENOMEM or no spare: stop accepting for a moment instead of spinning or dying
             self.log(f"accept failed ({e}); pausing new connections for 100 ms")
             self._unregister(self.lsock.fileno())
             self._accept_paused = time.monotonic() + 0.1
             return
-        if len(self.st.conns) >= MAX_CONNS:
-            self.log(f"refused a connection: {len(self.st.conns)} open (limit {MAX_CONNS})")
-            s.close()
-            return
-        uid = peer_uid(s)
+        pid, uid, _ = peer_cred(s)
         if uid != os.getuid():
             # Another user's process: refuse before reading anything from it.
             self.log(f"refused a peer of uid {uid}")
             s.close()
             return
+        lim = self.st.limits
+        why = None
+        if len(self.st.conns) >= lim.conns:
+            why = f"device has {len(self.st.conns)} connections open (limit {lim.conns}); try again later"
+        else:
+            mine = sum(1 for c in self.st.conns.values() if c.pid == pid)
+            if mine >= lim.conns_per_peer:
+                why = f"process {pid} has {mine} connections open to this device (limit {lim.conns_per_peer} " \
+                      f"per process)"
+        if why is not None:
+            self._refuse(s, why)
+            return
         s.setblocking(False)
-        conn = Conn(self.st.new_id(), Endpoint(s), uid)
+        conn = Conn(self.st.new_id(), Endpoint(s), uid, pid=pid)
         self.st.conns[conn.cid] = conn
         self._register(s.fileno(), self._on_conn, conn)
+
+    # A connection past a limit: its requests are answered ERR_BUSY (GET_ERROR
+    # says which limit, with the numbers) until it closes or REFUSED_LINGER_S
+    # pass; everyone already connected keeps their connection.
+    def _refuse(self, s: socket.socket, why: str) -> None:
+        self.log(f"refused a connection: {why}")
+        if len(self._refused) >= MAX_REFUSED:
+            s.close()
+            return
+        s.setblocking(False)
+        fd = s.fileno()
+        self._refused[fd] = [s, time.monotonic() + REFUSED_LINGER_S, why, 0]
+        self._register(fd, self._on_refused, fd)
+
+    def _drop_refused(self, fd: int) -> None:
+        s = self._refused.pop(fd)[0]
+        self._unregister(fd)
+        s.close()
+
+    def _on_refused(self, fd: int, _events) -> None:
+        entry = self._refused[fd]
+        s, why = entry[0], entry[2]
+        try:
+            data, fds = s.recv_fds(P.MAX_MSG + 1, 4)[:2]
+        except BlockingIOError:
+            return
+        except OSError:
+            self._drop_refused(fd)
+            return
+        for f in fds:
+            os.close(f)
+        if not data:
+            self._drop_refused(fd)
+            return
+        try:
+            req = P.decode(data)
+        except P.ProtocolError as e:
+            resp = P.error_response(e.msg_type, e.seq, S.ERR_BUSY)
+        else:
+            if isinstance(req, P.GetError):
+                resp = P.GetErrorResp(seq=req.seq, error_seq=entry[3], error_status=int(S.ERR_BUSY),
+                                      payload=why.encode()[:P.GetErrorResp.MAX_TEXT]).encode()
+            else:
+                entry[3] = req.seq
+                resp = P.failure(req, S.ERR_BUSY).encode()
+        try:
+            s.send(resp, socket.MSG_DONTWAIT)
+        except OSError:
+            self._drop_refused(fd)
 
     def _on_conn(self, conn: Conn, events: int) -> None:
         if conn.outbox:

@@ -18,11 +18,35 @@ MAX_OPLIB_SOURCE = 128 << 10
 # Past these a request is refused with a status instead of exhausting the
 # front's file descriptors or the job channel (SCM_RIGHTS carries at most
 # 253 fds per message).
-MAX_CONNS = 512  # a connection past this is accepted and closed at once
+MAX_CONNS = 512  # at most; fewer when the fd limit is low (Limits)
 MAX_BUFS_PER_CONN = 128  # BUF_ATTACH past this is ERR_NOMEM
 MAX_INPUTS = 4096  # INFER_LARGE past this is ERR_INVALID
 # Plans (validated INFER/RPC requests) a connection keeps; the oldest goes first.
 MAX_PLANS_PER_CONN = 16
+
+
+@dataclass
+class Limits:
+    """What one connection, one peer process and the whole device may hold.
+
+    File descriptors bound the connections and buffers the front can keep
+    (one fd each; a core holds one per buffer it maps): of the soft
+    RLIMIT_NOFILE (raised to the hard limit at start) a quarter goes to
+    connections, half minus a reserve to buffers, the rest to cores,
+    epoll, the listening socket and transient copies."""
+    conns: int = MAX_CONNS
+    conns_per_peer: int = 64  # connections of one process (SO_PEERCRED pid)
+    bufs_per_conn: int = MAX_BUFS_PER_CONN
+    bufs_total: int = 4096
+    conn_bytes: int = 0  # window bytes one connection may attach (0: the whole window)
+    nofile: int = 0
+
+    @classmethod
+    def for_device(cls, nofile: int, window: int, conn_bytes: int | None = None) -> "Limits":
+        conns = max(8, min(MAX_CONNS, nofile // 4))
+        return cls(conns=conns, conns_per_peer=max(2, min(64, conns // 4)),
+                   bufs_total=max(MAX_BUFS_PER_CONN, nofile // 2 - 64),
+                   conn_bytes=window * 3 // 4 if conn_bytes is None else conn_bytes, nofile=nofile)
 
 
 class Reject(Exception):
@@ -70,6 +94,8 @@ class Conn:
     closed: bool = False
     outbox: list = field(default_factory=list)  # encoded responses waiting for room in the socket
     plans: dict = field(default_factory=dict)  # request bytes (seq left out) -> Plan
+    pid: int = 0  # the peer process (SO_PEERCRED)
+    attached: int = 0  # window bytes its buffers take
 
     @property
     def staging(self) -> Buffer | None:
@@ -128,6 +154,8 @@ class DeviceState:
         self.models: dict[int, ModelRec] = {}
         self.op_table: dict[int, tuple] = {}  # cmd -> (name, latency_us, lib_handle)
         self.op_sources: dict[int, tuple[bytes, str]] = {}  # lib handle -> (source, filename)
+        self.limits = Limits(conn_bytes=carveout_size)
+        self.nbufs = 0  # buffers attached, all connections
         self._ids = itertools.count(1)
 
     def new_id(self) -> int:
