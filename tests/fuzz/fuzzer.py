@@ -20,7 +20,15 @@ ndim, dtype, shapes, flags, reserved fields, descriptor arrays (inline and in
 the table), seq, the header's type/len/status, body truncation/extension —
 or sends random bytes.  Every request must get exactly one well-formed
 response within the timeout: type ``0x1000 | type``, the same seq, ``len``
-equal to the datagram size, a decodable body when it succeeded.
+equal to the datagram size, a decodable body when it succeeded.  No answer
+may be ERR_GENERIC (an internal failure), and a message with exactly one
+mutation of a class whose answer the protocol fixes must get that status
+(``expected_status``): framing damage ERR_INVALID, an unknown or response
+type ERR_OP, a reserved field or unknown flag bit ERR_INVALID, an inline
+descriptor count other than ``num_inputs`` ERR_INVALID, BUF_ATTACH without
+exactly one fd ERR_INVALID, and every forged address (one outside all of
+this connection's buffers: another connection's, the DDR pool, L2, wrapped
+ranges) ERR_ADDR.  ``FuzzStats.unexpected`` counts the answers that differ.
 
 The fuzzer never trusts its own state after a mutated request succeeded:
 anything that may have removed one of its fixtures (a detach, an unload, a
@@ -109,6 +117,9 @@ class FuzzStats:
     fds_sent: int = 0
     problems: list = field(default_factory=list)
     internal_errors: list = field(default_factory=list)  # ERR_GENERIC answers: request + the device's text
+    unexpected: int = 0  # answers other than the status a mutation class must get
+    by_expectation: collections.Counter = field(default_factory=collections.Counter)  # class -> checked
+    forged_addresses: int = 0  # single forged-address mutations sent (each must be ERR_ADDR)
     max_latency_s: float = 0.0
     slowest: str = ""
     elapsed_s: float = 0.0
@@ -120,7 +131,9 @@ class FuzzStats:
     def as_dict(self) -> dict:
         return {"sent": self.sent, "by_status": dict(self.by_status.most_common()),
                 "by_type": dict(self.by_type.most_common()), "by_kind": dict(self.by_kind.most_common()),
-                "malformed": self.malformed, "extra_responses": self.extra_responses, "hangs": self.hangs,
+                "malformed": self.malformed, "unexpected": self.unexpected,
+                "by_expectation": dict(self.by_expectation.most_common()),
+                "forged_addresses": self.forged_addresses, "extra_responses": self.extra_responses, "hangs": self.hangs,
                 "crashes": self.crashes, "core_restarts": self.core_restarts, "reconnects": self.reconnects,
                 "fds_sent": self.fds_sent, "max_latency_s": round(self.max_latency_s, 4), "slowest_request": self.slowest,
                 "elapsed_s": round(self.elapsed_s, 2),
@@ -173,6 +186,10 @@ def _fmt_fields(cls) -> list[tuple[str, str]]:
     """[(field name, struct char)] of a message class's fixed body."""
     chars = cls.BODY.format.lstrip("<")
     return list(zip(cls.FIELDS, chars))
+
+
+def _sealed(fd: int) -> bool:
+    return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & memory.REQUIRED_SEALS == memory.REQUIRED_SEALS
 
 
 _RANGES = {"I": (0, U32), "i": (-(1 << 31), (1 << 31) - 1), "Q": (0, U64), "q": (-(1 << 63), (1 << 63) - 1)}
@@ -391,11 +408,33 @@ class Fuzzer:
              + ["BUF_DETACH"] * 3 + ["DYN_LOAD"] * 2 + ["MODEL_LOAD"] * 2 + ["OPS_LOAD"] * 2 + ["DYN_UNLOAD"] * 2
              + ["MODEL_UNLOAD"] * 2 + ["OPS_LIST"] * 2 + ["PING", "GET_STATUS", "GET_ERROR", "POOL_STATUS"])
 
-    def _mutate_desc_bytes(self, raw: bytearray, start: int, count: int) -> None:
+    def _forged(self, addr: int) -> bool:
+        """``addr`` lies in none of this connection's buffers (nor its KV
+        region), so no range starting there can be one of its own."""
+        return not any(a <= addr < a + s for a, s in self.bufs + [self.kv])
+
+    def _mutate_desc_bytes(self, raw: bytearray, start: int, count: int) -> tuple | None:
+        """Damage one descriptor; returns (status, class) when the protocol
+        fixes the answer to that damage alone."""
         i = self.rng.randrange(count)
         off = start + 80 * i
+        before = bytes(raw[off:off + 80])
         rng = self.rng
         which = rng.randrange(7)
+        self._desc_damage(raw, off, which)
+        if bytes(raw[off:off + 80]) == before:
+            return "noop"
+        ndim = struct.unpack_from("<i", before, 16)[0]
+        if which == 0 and self._forged(struct.unpack_from("<Q", raw, off)[0]):
+            return Status.ERR_ADDR, "forged descriptor address"
+        if which in (1, 3):  # the size or the dtype no longer agree with the shape or the signature
+            return Status.ERR_TENSOR, "descriptor data_size/dtype"
+        if which >= 5 and raw[off + 32:off + 32 + 8 * ndim] != before[32:32 + 8 * ndim]:
+            return Status.ERR_TENSOR, "descriptor extent"
+        return None
+
+    def _desc_damage(self, raw: bytearray, off: int, which: int) -> None:
+        rng = self.rng
         if which == 0:  # data_addr
             struct.pack_into("<Q", raw, off, self._value("Q", struct.unpack_from("<Q", raw, off)[0], "addr"))
         elif which == 1:  # data_size
@@ -412,18 +451,53 @@ class Fuzzer:
             struct.pack_into("<q", raw, off + 32 + 8 * j,
                              rng.choice([-1, 0, 1, 2, 16, 1 << 31, 1 << 32, (1 << 62), -(1 << 63), (1 << 63) - 1]))
 
+    def _field_expectation(self, msg, name: str, old: int, new: int):
+        """(status, class) a request that differs from a valid one only in
+        field ``name`` must get, None when the protocol leaves it open, or
+        "noop" when the value did not change."""
+        if new == old:
+            return "noop"
+        t = msg.TYPE
+        if name.startswith("reserved"):
+            return Status.ERR_INVALID, "reserved field"
+        if name == "flags":
+            allowed = {T.DYN_LOAD: P.DYN_LOAD_OP_LIBRARY, T.BUF_ATTACH: P.ATTACH_STAGING,
+                       T.INFER: ~P.INFER_FLAGS_RESERVED, T.INFER_LARGE: ~P.INFER_FLAGS_RESERVED}.get(t, 0)
+            return (Status.ERR_INVALID, "unknown flag bits") if new & ~allowed else None
+        if "addr" in name and t != T.DYN_UNLOAD and self._forged(new):
+            return Status.ERR_ADDR, "forged address"
+        if t == T.INFER and name == "num_inputs":
+            return Status.ERR_INVALID, "inline descriptor count"
+        if t == T.INFER_LARGE and name in ("num_inputs", "descs_size"):
+            return Status.ERR_INVALID, "descriptor table size"
+        if t in (T.INFER, T.INFER_LARGE) and name == "module_handle" and new not in (self.mi.handle, self.mo.handle):
+            return Status.ERR_HANDLE, "unknown module handle"
+        if t in (T.INFER, T.INFER_LARGE) and name == "model_id":
+            return Status.ERR_HANDLE, "unknown model id"  # this connection never keeps a model
+        if t == T.RPC and name == "priority" and new > 255:
+            return Status.ERR_INVALID, "priority range"
+        if t == T.RPC and name == "core" and new < P.CORE_ANY:
+            return Status.ERR_INVALID, "core index"
+        return None
+
     def build(self) -> tuple[bytes, list[int], str]:
-        """One fuzz datagram (+ fds to send with it) and its kind label."""
+        """One fuzz datagram (+ fds to send with it) and its kind label.
+        ``self.expect`` is then the (status, class) the answer must carry, or None."""
         rng = self.rng
         r = rng.random()
         self._seq = (self._seq + 1) & U32
+        self.expect = None
         if r < 0.04:  # random bytes
             n = rng.choice([0, 1, 3, 4, 7, 8, 15, 16, 17, rng.randrange(512), 512, 513, rng.randrange(513, 4096)])
             data = bytes(rng.randrange(256) for _ in range(n))
+            if n < P.HEADER_SIZE or n > P.MAX_MSG or HDR.unpack_from(data)[2] != n:
+                self.expect = (Status.ERR_INVALID, "framing")
             return data, [], "random"
         if r < 0.07:  # a valid header with a random type / random body
             t = rng.choice([rng.randrange(1 << 32), rng.randrange(0x80), 0x1001, 0x1021, 0x7FFF, 0x10000 | 0x21])
             body = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 497)))
+            if t not in P.MsgType._value2member_map_:
+                self.expect = (Status.ERR_OP, "not a request type")
             return HDR.pack(t, self._seq, 16 + len(body), 0) + body, [], "random_type"
         kind = rng.choice(self.KINDS)
         msg, fds = self._valid(kind)
@@ -431,16 +505,19 @@ class Fuzzer:
         label = kind
         n_mut = 0 if rng.random() < 0.12 else rng.choice([1, 1, 1, 2, 3])
         fields = _fmt_fields(type(msg))
+        effects = []  # per mutation: (status, class), None (open) or "noop"
         for _ in range(n_mut if fields else 0):
             name, ch = rng.choice(fields)
-            setattr(msg, name, self._value(ch, getattr(msg, name), name))
+            old = getattr(msg, name)
+            setattr(msg, name, self._value(ch, old, name))
+            effects.append(self._field_expectation(msg, name, old, getattr(msg, name)))
         if kind in ("INFER", "INFER_LARGE") and not msg.flags & P.INFER_FLAGS_RESERVED \
                 and msg.flags & P.REPEAT_MASK > 3 and rng.random() < 0.99:
             msg.flags &= ~P.REPEAT_MASK | 3  # a valid repeat of 65535 runs is slow, not interesting
         if kind == "INFER_LARGE" and rng.random() < 0.4:  # damage the descriptor table in input_buf
             ib = self.client.input_buf
             raw = bytearray(P.encode_descs(self.mi_descs))
-            self._mutate_desc_bytes(raw, 0, 7)
+            effects.append(self._mutate_desc_bytes(raw, 0, 7))
             ib.mm[:len(raw)] = raw
             n_mut += 1
         elif kind == "INFER_LARGE":
@@ -448,27 +525,46 @@ class Fuzzer:
         data = bytearray(msg.encode())
         if kind == "INFER" and rng.random() < 0.4:
             if rng.random() < 0.5:
-                self._mutate_desc_bytes(data, 64, 1)
+                effects.append(self._mutate_desc_bytes(data, 64, 1))
             else:  # more or fewer inline descriptors than num_inputs
                 extra = rng.choice([0, 1, 4, 5])
                 del data[64:]
                 data += P.encode_descs([self.mo_desc] * extra)
                 struct.pack_into("<I", data, 8, len(data))
+                effects.append("noop" if extra == msg.num_inputs == 1 else (Status.ERR_INVALID, "inline descriptor count"))
             n_mut += 1
-        if rng.random() < 0.08:  # header / framing
+        real = [e for e in effects if e != "noop"]
+        if len(real) == 1 and real[0] is not None:
+            self.expect = real[0]
+        elif kind == "BUF_ATTACH" and len(fds) != 1:  # checked before any field
+            self.expect = (Status.ERR_INVALID, "BUF_ATTACH fd count")
+        elif kind == "BUF_ATTACH" and not real and not _sealed(fds[0]):
+            self.expect = (Status.ERR_INVALID, "BUF_ATTACH unsealed memfd")
+        if rng.random() < 0.08:  # header / framing: decoding fails before any field is looked at
             h = rng.randrange(5)
+            self.expect = None
             if h == 0:
                 struct.pack_into("<I", data, 8, self._value("I", len(data), "len"))
+                if struct.unpack_from("<I", data, 8)[0] != len(data):
+                    self.expect = (Status.ERR_INVALID, "framing")
             elif h == 1:
                 struct.pack_into("<i", data, 12, rng.choice([1, -1, -(1 << 31)]))
             elif h == 2:
                 data = data[:rng.randrange(len(data))]
+                self.expect = (Status.ERR_INVALID, "framing")
             elif h == 3:
                 data += bytes(rng.randrange(1, 600))
-                if rng.random() < 0.5:
+                fixed = rng.random() < 0.5
+                if fixed:
                     struct.pack_into("<I", data, 8, len(data) & U32)
+                # (an INFER body grown by whole descriptors may frame correctly)
+                if not (fixed and kind == "INFER" and (len(data) - P.Infer.SIZE) % 80 == 0):
+                    self.expect = (Status.ERR_INVALID, "framing")
             else:
-                struct.pack_into("<I", data, 0, rng.choice([0x1000 | msg.TYPE, msg.TYPE ^ 1, msg.TYPE | 0x100]))
+                t = rng.choice([0x1000 | msg.TYPE, msg.TYPE ^ 1, msg.TYPE | 0x100])
+                struct.pack_into("<I", data, 0, t)
+                if t not in P.MsgType._value2member_map_:
+                    self.expect = (Status.ERR_OP, "not a request type")
             n_mut += 1
             label += ":hdr"
         if not fds and rng.random() < 0.02:  # an fd riding on a message that takes none
@@ -530,6 +626,15 @@ class Fuzzer:
         why = check_response(data, resp)
         status = HDR.unpack_from(resp)[3] if len(resp) >= 16 else None
         st.by_status[Status.name_of(status) if status is not None else "none"] += 1
+        if self.expect is not None and status is not None and not why:
+            want, cls = self.expect
+            st.by_expectation[cls] += 1
+            if cls.startswith("forged"):
+                st.forged_addresses += 1
+            if status != want:
+                st.unexpected += 1
+                st.problem(f"{label}: {cls} must be {Status.name_of(want)}, got {Status.name_of(status)}; "
+                           f"request {data[:96].hex()}")
         if why:
             st.malformed += 1
             st.problem(f"{label}: {why}; request {data[:96].hex()} response {resp[:64].hex()}")

@@ -40,6 +40,15 @@ def test_fuzz_short_run_zero_crashes_hangs_or_leaks(compiled):
         assert stats.sent >= MESSAGES - 10
         assert (stats.malformed, stats.extra_responses, stats.hangs, stats.crashes) == (0, 0, 0, 0), report
         assert stats.core_restarts == 0, report
+        # What the fuzzer's docstring promises: no internal failure, the status
+        # each single mutation class must get, ERR_ADDR for every forged address.
+        assert "ERR_GENERIC" not in report["by_status"], report["internal_errors"]
+        assert stats.unexpected == 0, report["problems"]
+        assert stats.forged_addresses > 100, report["by_expectation"]
+        for cls in ("framing", "not a request type", "reserved field", "unknown flag bits", "forged address",
+                    "forged descriptor address", "inline descriptor count", "descriptor table size",
+                    "BUF_ATTACH fd count", "descriptor data_size/dtype"):
+            assert report["by_expectation"].get(cls, 0) > 0, (cls, report["by_expectation"])
         assert dev.alive()
         # Deep paths were reached: jobs ran and both refusals and successes came back.
         assert report["by_status"].get("SUCCESS", 0) > 200 and report["by_status"].get("ERR_ADDR", 0) > 50
