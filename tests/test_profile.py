@@ -1,0 +1,105 @@
+"""Per-layer profile (INFER flag PROFILE, dspx.host.profile): ResNet-18 rows
+against the ONNX graph they came from, their sum against the entry's cycles,
+and the records' wire form against docs/protocol.md."""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import pytest
+
+from dspx.abi import protocol as P
+from dspx.errors import DeviceError
+from dspx.host.profile import parse, profile
+from dspx.host.vm import VirtualMachine
+
+MiB = 1 << 20
+
+
+def _onnx_convs(path) -> collections.Counter:
+    """(input shape, weight shape) of every Conv in the model, from ONNX's own shape inference."""
+    m = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in [*m.graph.input, *m.graph.value_info, *m.graph.output]}
+    shapes.update({t.name: list(t.dims) for t in m.graph.initializer})
+    return collections.Counter(("x".join(map(str, shapes[n.input[0]])), "x".join(map(str, shapes[n.input[1]])))
+                               for n in m.graph.node if n.op_type == "Conv")
+
+
+@pytest.fixture(scope="module")
+def resnet(compiled):
+    return compiled("resnet18", kernels=True)
+
+
+def _vm(client_of, device, directory, **kw):
+    c = client_of(device.path, staging_size=(directory / "model.so").stat().st_size + MiB, **kw)
+    return VirtualMachine(directory, client=c)
+
+
+def test_resnet18_profile_names_every_conv_and_sums_to_the_entry(device, client_of, resnet, example_onnx):
+    vm = _vm(client_of, device, resnet)
+    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    want = vm["main"](x)
+    rep = vm.profile(x) if hasattr(VirtualMachine, "profile") else profile(vm, x)
+    # The profiled call is a real inference: same outputs as the plain one.
+    np.testing.assert_allclose(vm.client.output_view(vm.client.infer(vm.module.handle, [x]).descs[0]), want,
+                               rtol=1e-5, atol=1e-5)
+    convs = collections.Counter((r.shapes.split(",")[0], r.shapes.split(",")[1]) for r in rep.rows
+                                if r.name in ("dspx.kernels.conv2d", "dspx.kernels.conv2d_add"))
+    assert convs == _onnx_convs(example_onnx["resnet18"]), rep.table()
+    assert sum(convs.values()) == 20  # ResNet-18: stem + 16 in blocks + 3 downsampling 1x1
+    assert all(r.calls == 1 and r.cycles > 0 for r in rep.rows if r.kind == "kernel")
+    ratio = rep.total_cycles / rep.entry_cycles
+    assert 0.9 <= ratio <= 1.0, f"rows sum to {rep.total_cycles} of {rep.entry_cycles} entry cycles ({ratio:.1%})"
+    # The table: sorted by time, with shares; JSON with the same numbers.
+    cyc = [r.cycles for r in rep.sorted()]
+    assert cyc == sorted(cyc, reverse=True) and rep.sorted()[0].kind == "kernel"
+    assert "conv2d" in rep.table() and "%" in rep.table()
+    j = rep.to_dict()
+    assert j["entry_cycles"] == rep.entry_cycles and len(j["rows"]) == len(rep.rows)
+    assert abs(sum(r["share"] for r in j["rows"]) - ratio) < 1e-9
+
+
+def test_repeat_runs_sum_per_call_site_and_plain_calls_stay_untimed(device, client_of, resnet):
+    vm = _vm(client_of, device, resnet)
+    x = np.zeros((1, 3, 224, 224), np.float32)
+    rep = profile(vm, x, runs=3)
+    assert rep.runs == 3 and {r.calls for r in rep.rows if r.kind == "kernel"} == {3}
+    assert 0.9 <= rep.total_cycles / rep.entry_cycles <= 1.0
+    # A plain call after it is another plan: no records in its printf.
+    res = vm.client.infer(vm.module.handle, [x])
+    assert P.PROFILE_PREFIX not in res.printf
+
+
+def test_tvm_functions_are_rows_too(device, client_of, compiled):
+    d = compiled("multi_output")  # no kernels: every operator is a compiled TVM function
+    vm = _vm(client_of, device, d)
+    ins = [np.ones(s["shape"], s["dtype"]) for s in vm.metadata["inputs"]]
+    rep = profile(vm, *ins)
+    tvm_rows = [r for r in rep.rows if r.kind == "tvm"]
+    assert tvm_rows and not [r for r in rep.rows if r.kind == "kernel"], rep.table()
+    assert all(r.shapes and r.calls == 1 for r in tvm_rows)
+    assert rep.total_cycles <= rep.entry_cycles
+
+
+def test_records_wire_form():
+    """docs/protocol.md, "Profile records", written out by hand."""
+    text = ("hello\n"
+            "#dspx-profile\t1\truns=2\tentry_cycles=1000\trows=2\tdropped=1\n"
+            "#dspx-profile-row\tkernel\tdspx.kernels.conv2d\t1x3x8x8,4x3x3x3,4,1x4x8x8\t2\t600\n"
+            "#dspx-profile-row\tvm\tvm.builtin.alloc_tensor\t\t6\t30\n")
+    rep = parse(text)
+    assert (rep.runs, rep.entry_cycles, rep.dropped, rep.printf) == (2, 1000, 1, "hello\n")
+    assert [(r.kind, r.short, r.shapes, r.calls, r.cycles, r.share) for r in rep.rows] == [
+        ("kernel", "conv2d", "1x3x8x8,4x3x3x3,4,1x4x8x8", 2, 600, 0.6), ("vm", "vm.builtin.alloc_tensor", "", 6, 30, 0.03)]
+    assert P.FLAG_PROFILE == 1 << 17
+
+
+def test_profile_without_a_printf_buffer_is_err_invalid(device, client_of, compiled):
+    vm = _vm(client_of, device, compiled("multi_output"), printf_size=0)
+    ins = [np.ones(s["shape"], s["dtype"]) for s in vm.metadata["inputs"]]
+    with pytest.raises(DeviceError) as e:
+        profile(vm, *ins)
+    assert "ERR_INVALID" in str(e.value) and "printf" in str(e.value)
+    vm["main"](*ins)  # the connection keeps working
