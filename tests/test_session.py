@@ -129,6 +129,17 @@ def test_only_an_inference_that_handed_back_outputs_locks():
         io.reserve(8192, 0)
 
 
+def test_planning_an_inference_does_not_lock_only_its_success_does():
+    """docs/protocol.md, "Capacity": a too-small reservation can still be grown
+    after an inference that failed, so the lock waits for the response."""
+    io = with_buffers()
+    plan = io.plan_infer(1, [np.zeros((1, 16), np.float32)], [None])
+    assert not io.locked and plan.message.num_inputs == 1
+    io.completed(P.InferResp(status=-7, num_outputs=0))  # ERR_SIZE: no outputs handed back
+    assert not io.locked
+    assert io.reserve(8192, 8192) == [("input", 8192), ("output", 8192)]
+
+
 def test_a_bigger_declaration_grows_after_the_lock():
     io = IoCapacity()
     assert io.declare(1088, 192, num_inputs=7) == [("input", 1088), ("output", 192)]
