@@ -330,3 +330,80 @@ def test_cli_generate_json(model_dir):
     assert out["status"] == "ok" and out["text"].startswith("The capital of France")
     r = CliRunner().invoke(main, ["generate", "x " * 400, "--model", str(model_dir), "--json"])
     assert r.exit_code == 1 and "context holds 256" in r.output
+
+
+# ---------------------------------------------------------------- sampling controls, chat
+
+def test_repeat_penalty_is_llama_cpp_s():
+    from dspx.host.llm import apply_repeat_penalty
+
+    logits = np.array([2.0, -2.0, 1.0, 0.5], np.float32)
+    out = apply_repeat_penalty(logits, [0, 1, 1], 2.0)
+    np.testing.assert_array_equal(out, np.array([1.0, -4.0, 1.0, 0.5], np.float32))
+    assert logits[0] == 2.0  # the caller's logits are left alone
+    assert apply_repeat_penalty(logits, [0], 1.0) is logits
+
+
+def test_stop_strings_end_the_answer_and_are_never_streamed(llm, tok):
+    from dspx.host.llm import Generator
+
+    g = Generator(llm, tok)
+    full = g.generate(PROMPTS[0], 16)
+    assert full.text == "The capital of France is Paris."
+    for stop, want in (["Paris"], "The capital of France is "), (["France is", "xyz"], "The capital of "):
+        pieces = []
+        res = g.generate(PROMPTS[0], 16, stop=stop, on_text=pieces.append)
+        assert res.text == want and res.finish_reason == "stop", (stop, res.text)
+        assert "".join(pieces) == want
+    res = g.generate(PROMPTS[0], 16, stop=["Paris!"])  # a prefix that never completes is released at the end
+    assert res.text == full.text and res.finish_reason == "eos"
+
+
+def test_max_time_and_should_stop_keep_the_cache_right(llm, tok):
+    from dspx.host.llm import Generator
+
+    g = Generator(llm, tok)
+    res = g.generate(PROMPTS[1], 32, max_time=1e-9)
+    assert res.finish_reason == "time" and len(res.ids) == 1
+    calls = []
+    res = g.generate(PROMPTS[1], 32, should_stop=lambda: len(calls.append(1) or calls) >= 3, reuse_cache=True)
+    assert res.finish_reason == "interrupted" and len(res.ids) == 3
+    # the cache holds exactly what was run: a follow-up reusing it equals a fresh run
+    turn2 = [{"role": "user", "content": PROMPTS[1]}, {"role": "assistant", "content": res.text},
+             {"role": "user", "content": "Another one."}]
+    again = g.generate(turn2, 8, reuse_cache=True)
+    assert again.prefilled < again.prompt_tokens
+    assert again.ids == Generator(llm, tok).generate(turn2, 8).ids
+
+
+def test_chat_longer_than_the_context_shifts_out_the_oldest_turns(llm, tok):
+    from dspx.host.llm import Chat, Generator
+
+    questions = ["What is the capital of France?", "And of Italy?", "Name a large ocean.", "What is 2 + 2?",
+                 "Name a primary colour.", "What do bees make?", "Which planet is red?", "What is ice made of?",
+                 "Name a fruit."]
+    g = Generator(llm, tok)
+    conv = Chat(g)  # the template's default system prompt, kept through every shift
+    system_ids = tok.encode("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                            "<|im_end|>\n")
+    shown = []
+    for q in questions:
+        res = conv.ask(q, 24)
+        assert res.ids and res.finish_reason in ("eos", "max_tokens"), (q, res.finish_reason)
+        assert res.prompt_tokens + len(res.ids) <= llm.context
+        shown.append((q, len(conv.dropped), res.prompt_tokens, res.prefilled, res.text))
+    total = sum(len(tok.encode_chat([{"role": "user", "content": q}, {"role": "assistant", "content": a}]))
+                for q, *_, a in shown)
+    print(f"\n{len(questions)} turns, {total} tokens of conversation, context {llm.context}:")
+    for q, nd, pt, pf, a in shown:
+        print(f"  {q!r}: {nd} dropped so far, prompt {pt} tokens ({pf} prefilled) -> {a[:40]!r}")
+    print(f"  dropped: {[t.user for t in conv.dropped]}")
+    assert total > llm.context  # the chat really is longer than the context
+    k = len(conv.dropped)
+    assert k >= 1 and [t.user for t in conv.dropped] == questions[:k]  # oldest first
+    assert [t.user for t in conv.turns] == questions[k:]
+    # the system prompt stays first; the shifted cache gives what a fresh run of the same messages gives
+    last = conv.messages(None, conv.turns[:-1]) + [{"role": "user", "content": questions[-1]}]
+    ids = tok.encode_chat(last)
+    assert ids[:len(system_ids)] == system_ids
+    assert Generator(llm, tok).generate(last, 24).text == conv.turns[-1].assistant

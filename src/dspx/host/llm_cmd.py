@@ -6,7 +6,9 @@ tokens are produced, statistics go to stderr (``--json``: one JSON line)."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
+from pathlib import Path
 
 import click
 
@@ -19,6 +21,16 @@ _common = [
     click.option("--top-k", default=0, show_default=True, help="sample from the k most likely (0 = all)"),
     click.option("--top-p", default=1.0, show_default=True, help="nucleus sampling mass"),
     click.option("--seed", default=None, type=int, help="sampling seed"),
+    click.option("--repeat-penalty", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+                 help="divide the logits of tokens seen in the last --repeat-last-n by this (llama.cpp's; 1 = off)"),
+    click.option("--repeat-last-n", default=64, show_default=True, type=click.IntRange(min=0)),
+    click.option("--stop", "stop", multiple=True, help="end the answer at this text (not shown); repeatable"),
+    click.option("--max-time", default=None, type=click.FloatRange(min=0, min_open=True),
+                 help="seconds per answer (prefill + decode)"),
+    click.option("--context", default=None, type=click.IntRange(min=1),
+                 help="context to compile for when --model is not given (default 256; 512 with --kv-dtype float16)"),
+    click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16"]),
+                 help="KV cache element type when compiling (float16: twice the context)"),
     click.option("--non-resident", is_flag=True,
                  help="ship the KV cache through input/output buffers each token (for comparison)"),
     click.option("--socket", default=None, envvar="DSPX_SOCKET"),
@@ -29,6 +41,17 @@ def common(f):
     for opt in reversed(_common):
         f = opt(f)
     return f
+
+
+def _model_args(model_dir, gguf, socket, context, kv_dtype) -> dict:
+    if context is None:
+        context = 512 if kv_dtype == "float16" else 256
+    return dict(model_dir=model_dir, gguf=gguf, socket=socket, context=context, kv_dtype=kv_dtype)
+
+
+def _sampling(temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n, stop, max_time, non_resident) -> dict:
+    return dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, repeat_penalty=repeat_penalty,
+                repeat_last_n=repeat_last_n, stop=list(stop), max_time=max_time, resident=not non_resident)
 
 
 def _fail(e: Exception, as_json: bool) -> None:
@@ -52,18 +75,19 @@ def _stats(res) -> str:
 @click.option("--raw", is_flag=True, help="do not apply the chat template")
 @common
 @click.option("--json", "as_json", is_flag=True, help="one JSON line instead of streamed text")
-def generate(prompt, max_tokens, raw, model_dir, gguf, temperature, top_k, top_p, seed, non_resident, socket,
-             as_json):
+def generate(prompt, max_tokens, raw, model_dir, gguf, temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n,
+             stop, max_time, context, kv_dtype, non_resident, socket, as_json):
     """Answer PROMPT with the language model on the device, streaming the text."""
     from ..llm import LLMError
     from ..errors import DspxError
     from .llm import Generator
 
     try:
-        with Generator(model_dir=model_dir, gguf=gguf, socket=socket, progress=not as_json) as g:
+        with Generator(**_model_args(model_dir, gguf, socket, context, kv_dtype), progress=not as_json) as g:
             on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-            res = g.generate(prompt, max_tokens, on_text=on_text, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed, resident=not non_resident, chat=not raw)
+            res = g.generate(prompt, max_tokens, on_text=on_text, chat=not raw,
+                             **_sampling(temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n, stop,
+                                         max_time, non_resident))
     except (LLMError, DspxError, OSError) as e:
         _fail(e, as_json)
     if as_json:
@@ -73,55 +97,108 @@ def generate(prompt, max_tokens, raw, model_dir, gguf, temperature, top_k, top_p
         click.echo(_stats(res), err=True)
 
 
-@click.command("chat")
-@click.option("--max-tokens", "-n", default=256, show_default=True, help="per answer")
-@click.option("--system", default=None, help="system prompt (default: the model's template default)")
-@common
-def chat(max_tokens, system, model_dir, gguf, temperature, top_k, top_p, seed, non_resident, socket):
-    """Interactive chat (history kept until the context is full; /reset starts over, /quit or Ctrl-D ends)."""
-    from ..errors import DspxError
-    from ..llm import LLMError
-    from .llm import ContextFullError, Generator
+def _readline(history_file: Path) -> None:
+    """Line editing and a persistent history for input(), where readline exists."""
+    try:
+        import readline
+    except ImportError:  # not on every platform; input() still works
+        return
+    import atexit
 
     try:
-        g = Generator(model_dir=model_dir, gguf=gguf, socket=socket, progress=True)
+        readline.read_history_file(history_file)
+    except OSError:
+        pass
+    readline.set_history_length(1000)
+
+    def save():
+        try:
+            history_file.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(history_file)
+        except OSError:
+            pass
+    atexit.register(save)
+
+
+class _Interrupt:
+    """While answering, Ctrl-C stops the answer (polled between tokens, so the
+    device call in flight finishes and the KV cache stays right), not the chat."""
+
+    def __init__(self):
+        self.hit = False
+
+    def __enter__(self):
+        self.hit = False
+        self.old = signal.signal(signal.SIGINT, self._on)
+        return self
+
+    def _on(self, *_):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.old)
+
+
+@click.command("chat")
+@click.option("--max-tokens", "-n", default=256, show_default=True, type=click.IntRange(min=1), help="per answer")
+@click.option("--system", default=None, help="system prompt (default: the model's template default)")
+@common
+def chat(max_tokens, system, model_dir, gguf, temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n, stop,
+         max_time, context, kv_dtype, non_resident, socket):
+    """Interactive chat. When the context is full the oldest turns are dropped (the system prompt is kept);
+    Ctrl-C stops an answer; /reset starts over; /quit or Ctrl-D ends."""
+    from ..errors import DspxError
+    from ..llm import LLMError
+    from .llm import Chat, ContextFullError, Generator
+
+    try:
+        g = Generator(**_model_args(model_dir, gguf, socket, context, kv_dtype), progress=True)
         g.llm  # load now (with progress), not at the first question
     except (LLMError, DspxError, OSError) as e:
         _fail(e, False)
-    start = [{"role": "system", "content": system}] if system else []
-    history = list(start)
+    interactive = sys.stdin.isatty() and sys.stdout.isatty()
+    if interactive:
+        from ..compiler.llm import default_cache_dir
+        _readline(default_cache_dir() / "chat_history")
+    conv = Chat(g, system)
+    sampling = _sampling(temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n, stop, max_time,
+                         non_resident)
     click.echo(f"chat with the model on the device; context {g.context} tokens. /reset, /quit", err=True)
     with g:
         while True:
             try:
-                line = input("> ")
-            except (EOFError, KeyboardInterrupt):
+                line = input("> " if interactive else "")
+            except EOFError:
                 click.echo()
                 break
+            except KeyboardInterrupt:  # at the prompt: a fresh line, like a shell
+                click.echo()
+                continue
             text = line.strip()
             if not text:
                 continue
             if text in ("/quit", "/exit"):
                 break
             if text == "/reset":
-                history = list(start)
+                conv.reset()
                 click.echo("(history cleared)", err=True)
                 continue
-            msgs = history + [{"role": "user", "content": text}]
+            dropped = len(conv.dropped)
             try:
-                res = g.generate(msgs, max_tokens, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
-                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                 resident=not non_resident, reuse_cache=True)
+                with _Interrupt() as stop_flag:
+                    res = conv.ask(text, max_tokens, on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()),
+                                   should_stop=lambda: stop_flag.hit, **sampling)
             except ContextFullError as e:
-                click.echo(f"context full: the conversation is {e.needed} tokens and the model holds "
-                           f"{e.context}. Type /reset to start a new chat.", err=True)
+                click.echo(f"context full: the question is {e.needed} tokens and the model holds {e.context}.",
+                           err=True)
                 continue
             except (LLMError, DspxError) as e:
                 click.echo(f"error: {e}", err=True)
                 continue
             click.echo()
-            click.echo(_stats(res), err=True)
-            history = msgs + [{"role": "assistant", "content": res.text}]
-            if res.finish_reason == "context":
-                click.echo("context full: the answer filled the model's context. Type /reset to start a new chat.",
+            if len(conv.dropped) > dropped:
+                click.echo(f"(context shift: dropped the {len(conv.dropped) - dropped} oldest turn(s) to make room)",
                            err=True)
+            if res.finish_reason == "interrupted":
+                click.echo("(answer stopped)", err=True)
+            click.echo(_stats(res), err=True)
