@@ -27,18 +27,39 @@ def _onnx_convs(path) -> collections.Counter:
                                for n in m.graph.node if n.op_type == "Conv")
 
 
-@pytest.fixture(scope="module")
-def resnet(compiled):
-    return compiled("resnet18", kernels=True)
-
-
-def _vm(client_of, device, directory, **kw):
-    c = client_of(device.path, staging_size=(directory / "model.so").stat().st_size + MiB, **kw)
+def _vm(path, directory, **kw):
+    from dspx.host.client import Client
+    c = Client(path, timeout=60, staging_size=(directory / "model.so").stat().st_size + MiB, kv_size=0, **kw)
     return VirtualMachine(directory, client=c)
 
 
-def test_resnet18_profile_names_every_conv_and_sums_to_the_entry(device, client_of, resnet, example_onnx):
-    vm = _vm(client_of, device, resnet)
+@pytest.fixture(scope="module")
+def r18(shared_device, compiled):
+    """One ResNet-18 (with kernels) on the module's device: loading it is the slow part."""
+    vm = _vm(shared_device.path, compiled("resnet18", kernels=True))
+    yield vm
+    c = vm.client
+    vm.close()
+    c.close()
+
+
+@pytest.fixture
+def small(shared_device, compiled):
+    opened = []
+
+    def make(**kw):
+        vm = _vm(shared_device.path, compiled("multi_output"), **kw)
+        opened.append(vm)
+        return vm, [np.ones(s["shape"], s["dtype"]) for s in vm.metadata["inputs"]]
+    yield make
+    for vm in opened:
+        c = vm.client
+        vm.close()
+        c.close()
+
+
+def test_resnet18_profile_names_every_conv_and_sums_to_the_entry(r18, example_onnx):
+    vm = r18
     x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
     want = vm["main"](x)
     rep = vm.profile(x) if hasattr(VirtualMachine, "profile") else profile(vm, x)
@@ -61,8 +82,8 @@ def test_resnet18_profile_names_every_conv_and_sums_to_the_entry(device, client_
     assert abs(sum(r["share"] for r in j["rows"]) - ratio) < 1e-9
 
 
-def test_repeat_runs_sum_per_call_site_and_plain_calls_stay_untimed(device, client_of, resnet):
-    vm = _vm(client_of, device, resnet)
+def test_repeat_runs_sum_per_call_site_and_plain_calls_stay_untimed(r18):
+    vm = r18
     x = np.zeros((1, 3, 224, 224), np.float32)
     rep = profile(vm, x, runs=3)
     assert rep.runs == 3 and {r.calls for r in rep.rows if r.kind == "kernel"} == {3}
@@ -72,10 +93,8 @@ def test_repeat_runs_sum_per_call_site_and_plain_calls_stay_untimed(device, clie
     assert P.PROFILE_PREFIX not in res.printf
 
 
-def test_tvm_functions_are_rows_too(device, client_of, compiled):
-    d = compiled("multi_output")  # no kernels: every operator is a compiled TVM function
-    vm = _vm(client_of, device, d)
-    ins = [np.ones(s["shape"], s["dtype"]) for s in vm.metadata["inputs"]]
+def test_tvm_functions_are_rows_too(small):
+    vm, ins = small()  # no kernels: every operator is a compiled TVM function
     rep = profile(vm, *ins)
     tvm_rows = [r for r in rep.rows if r.kind == "tvm"]
     assert tvm_rows and not [r for r in rep.rows if r.kind == "kernel"], rep.table()
@@ -96,9 +115,8 @@ def test_records_wire_form():
     assert P.FLAG_PROFILE == 1 << 17
 
 
-def test_profile_without_a_printf_buffer_is_err_invalid(device, client_of, compiled):
-    vm = _vm(client_of, device, compiled("multi_output"), printf_size=0)
-    ins = [np.ones(s["shape"], s["dtype"]) for s in vm.metadata["inputs"]]
+def test_profile_without_a_printf_buffer_is_err_invalid(small):
+    vm, ins = small(printf_size=0)
     with pytest.raises(DeviceError) as e:
         profile(vm, *ins)
     assert "ERR_INVALID" in str(e.value) and "printf" in str(e.value)
