@@ -21,7 +21,7 @@ from conftest import Device
 
 SPIN, STUBBORN = 0x3A01, 0x3A02
 FAULT_CRASH = 0xFA01  # dspx.abi.ops.FAULT_CRASH_CMD, written out
-FREE_WITHIN_S = 1.0
+FREE_WITHIN_S = 2.0  # >= 5x the slowest figure measured (338 ms: a stubborn op, core killed and restarted)
 KEEP = ("carveout_used", "ddr_used", "connections", "modules")
 
 OPS = textwrap.dedent("""
@@ -212,7 +212,8 @@ def test_device_killed_while_hosts_wait_raises_device_lost(device):
         waiting.wait(task, timeout_ms=30_000)
     with pytest.raises(DeviceLost):
         pinger.ping()
-    assert time.monotonic() - t0 < 2.0  # a clear error now, not after the 30 s timeout
+    dt = time.monotonic() - t0
+    assert dt < 10, f"DeviceLost after {dt:.3f} s: it must come at once, not after the call's 30 s timeout"
     # The cores die with their front, even one in the middle of a 20 s job.
     gone, alive = psutil.wait_procs(cores, timeout=3)
     assert not alive
@@ -229,7 +230,8 @@ def test_frozen_device_is_a_timeout_not_a_hang(device):
         t0 = time.monotonic()
         with pytest.raises(DeviceTimeout):
             c.ping()
-        assert 0.9 < time.monotonic() - t0 < 3
+        dt = time.monotonic() - t0
+        assert 0.9 < dt < 5, f"DeviceTimeout after {dt:.3f} s for a 1 s timeout"
     finally:
         device.proc.send_signal(signal.SIGCONT)
     c.ping()  # the late PONG of the timed-out PING is kept aside, not confused with this one
