@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import os
+import re
 import statistics
 import sys
 
@@ -52,10 +53,14 @@ def _message(e: BaseException) -> str:
 
 
 def _user_error(e: Exception, what: str) -> Exception:
-    from .errors import missing_extra
+    from .errors import EXTRA_OF, DeviceError, MissingExtra, missing_extra
 
     if isinstance(e, ImportError):
         return missing_extra(e, what) or e
+    # A device without an optional dependency reports the import error in its text.
+    m = re.search(r"No module named '([\w.]+)'", str(e)) if isinstance(e, DeviceError) else None
+    if m and m.group(1).split(".")[0] in EXTRA_OF:
+        return MissingExtra(m.group(1).split(".")[0], f"the device ({e.status_name} on {e.request or 'a request'})")
     return e
 
 
@@ -93,7 +98,11 @@ class DspxGroup(click.Group):
             cmd = ctx.invoked_subcommand or "dspx"
             e = _user_error(e, f"`dspx {cmd}`")
             logging.getLogger("dspx").debug("traceback of the error below", exc_info=True)
-            _report(e, as_json, _message(e))
+            text = _message(e)
+            first, _, rest = text.strip().partition("\n")  # one line; the rest (a device's traceback) at debug
+            if rest:
+                logging.getLogger("dspx").debug("the rest of the error:\n%s", rest)
+            _report(e, as_json, first)
             ctx.exit(EXIT_ERROR)
 
 

@@ -1,0 +1,261 @@
+"""``dspx info PATH`` (what a compiled module, an LLM package or a GGUF holds)
+and ``dspx devices`` (the devices this user can reach)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from pathlib import Path
+
+import click
+
+from .. import fmt
+from ..errors import DspxError
+
+
+# ---------------------------------------------------------------- ELF
+def elf_facts(so: Path) -> dict:
+    """From the module file itself: the symbols it imports (each must be in
+    the device's export table, docs/exports.md) and its embedded io_meta."""
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
+
+    from ..abi import modformat as fmt_
+    from ..abi.protocol import IoMeta
+
+    with open(so, "rb") as f:
+        try:
+            elf = ELFFile(f)
+        except ELFError as e:
+            raise DspxError(f"{so} is not an ELF shared object ({e})") from None
+        dyn = elf.get_section_by_name(".dynsym")
+        imports = sorted({s.name for s in dyn.iter_symbols() if s.name and s["st_shndx"] == "SHN_UNDEF"
+                          and s["st_info"]["bind"] != "STB_WEAK"}) if dyn else []  # weak: optional
+        io_meta = None
+        for name in (".symtab", ".dynsym"):
+            sec = elf.get_section_by_name(name)
+            found = sec.get_symbol_by_name(fmt_.IO_META_SYMBOL) if sec else None
+            if found:
+                addr = found[0]["st_value"]
+                for seg in elf.iter_segments():
+                    if seg["p_type"] == "PT_LOAD" and seg["p_vaddr"] <= addr < seg["p_vaddr"] + seg["p_filesz"]:
+                        f.seek(seg["p_offset"] + addr - seg["p_vaddr"])
+                        m = IoMeta.decode(f.read(IoMeta.SIZE))
+                        io_meta = {"num_inputs": m.num_inputs, "num_outputs": m.num_outputs,
+                                   "input_bytes": m.input_bytes, "output_bytes": m.output_bytes,
+                                   "exact": bool(m.flags & IoMeta.FLAG_EXACT)}
+                break
+    return {"file": str(so), "size": so.stat().st_size, "imports": imports, "io_meta": io_meta}
+
+
+def _tensors(ts) -> list[dict]:
+    return [{"name": t["name"], "dtype": t["dtype"], "shape": t["shape"]} for t in ts]
+
+
+def module_info(so: Path, meta: dict) -> dict:
+    out = {"kind": "module", **elf_facts(so)}
+    if meta:
+        w = meta.get("weights") or {}
+        wfile = w.get("file")
+        out.update(entry=meta.get("entry"), inputs=_tensors(meta.get("inputs", [])),
+                   outputs=_tensors(meta.get("outputs", [])), io_reserve=meta.get("io_reserve"),
+                   target_cpu=(meta.get("target") or {}).get("mcpu"), target=meta.get("target"),
+                   kernel_imports=meta.get("kernel_imports", []), workspace_bytes=meta.get("workspace_bytes"),
+                   weights={"mode": w.get("mode"), "file": wfile, "count": w.get("count"),
+                            "bytes": (so.parent / wfile).stat().st_size if wfile and (so.parent / wfile).is_file()
+                            else None})
+    return out
+
+
+def llm_info(d: Path, meta: dict) -> dict:
+    mods = {}
+    for name, m in meta.get("modules", {}).items():
+        so = d / m["module"]
+        facts = elf_facts(so) if so.is_file() else {"file": str(so), "missing": True}
+        mods[name] = {**facts, "inputs": _tensors(m.get("inputs", [])), "outputs": _tensors(m.get("outputs", []))}
+    kv = dict(meta.get("kv") or {})
+    kv.pop("tensors", None)
+    tok = meta.get("tokenizer") or {}
+    w = meta.get("weights") or {}
+    return {"kind": "llm", "dir": str(d), "model": meta.get("model"), "context": meta.get("context"),
+            "prefill_chunk": meta.get("prefill_chunk"), "kv": kv,
+            "chat_template": tok.get("chat_template"), "tokenizer": tok.get("source"),
+            "weights": {"file": w.get("file"), "bytes": w.get("bytes"), "count": w.get("count"),
+                        "storage": w.get("storage")},
+            "target_cpu": ((meta.get("compiler") or {}).get("target") or {}).get("mcpu"), "modules": mods}
+
+
+def gguf_info(path: Path) -> dict:
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:
+        from ..errors import missing_extra
+        raise missing_extra(e, "`dspx info` on a GGUF") or e
+    r = GGUFReader(str(path))
+
+    def field(key):
+        f = r.fields.get(key)
+        if f is None:
+            return None
+        v = f.parts[f.data[0]] if f.data else None
+        if v is None:
+            return None
+        if v.dtype.kind == "u" and v.dtype.itemsize == 1:  # strings are uint8 arrays
+            return bytes(v).decode("utf-8", errors="replace")
+        return v.tolist()[0] if len(v) == 1 else v.tolist()
+
+    arch = field("general.architecture")
+    types: dict = {}
+    for t in r.tensors:
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    template = field("tokenizer.chat_template")
+    return {"kind": "gguf", "file": str(path), "size": path.stat().st_size, "name": field("general.name"),
+            "architecture": arch, "context_length": field(f"{arch}.context_length"),
+            "layers": field(f"{arch}.block_count"), "embedding": field(f"{arch}.embedding_length"),
+            "heads": field(f"{arch}.attention.head_count"), "kv_heads": field(f"{arch}.attention.head_count_kv"),
+            "tensors": len(r.tensors), "tensor_types": types,
+            "weights_bytes": int(sum(int(t.n_bytes) for t in r.tensors)),
+            "chat_template": template}
+
+
+def describe(path) -> dict:
+    p = Path(path)
+    if p.is_file() and p.read_bytes()[:4] == b"GGUF":
+        return gguf_info(p)
+    meta_path = p / "metadata.json" if p.is_dir() else p.parent / "metadata.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if p.is_dir() and meta.get("format", "").startswith("dspx-llm/"):
+        return llm_info(p, meta)
+    from .vm import find_module
+    so, meta = find_module(p)
+    return module_info(so, meta)
+
+
+def _tensor_line(t) -> str:
+    return f"{t['name']} {t['dtype']}[{', '.join(map(str, t['shape']))}]"
+
+
+def _human(info: dict) -> list[str]:
+    if info["kind"] == "gguf":
+        lines = [f"{info['file']}: GGUF, {fmt.size(info['size'])}",
+                 f"  model      {info['name']} ({info['architecture']}, {info['layers']} layers, "
+                 f"dim {info['embedding']}, {info['heads']} heads / {info['kv_heads']} KV heads)",
+                 f"  context    {info['context_length']} tokens (trained)",
+                 f"  weights    {info['tensors']} tensors, {fmt.size(info['weights_bytes'])}: "
+                 + ", ".join(f"{n} {k}" for k, n in sorted(info["tensor_types"].items()))]
+        t = info["chat_template"]
+        lines.append(f"  chat       {'template (' + str(len(t)) + ' chars): ' + t.splitlines()[0][:60] if t else 'no template'}")
+        return lines
+    if info["kind"] == "llm":
+        m, kv, w = info["model"] or {}, info["kv"], info["weights"]
+        lines = [f"{info['dir']}: LLM package, {m.get('name')} ({m.get('architecture')}, {m.get('n_layers')} layers)",
+                 f"  context    {info['context']} tokens, prefill {info['prefill_chunk']} tokens per call",
+                 f"  KV cache   {kv.get('count')} tensors {kv.get('dtype')}{kv.get('shape')} in order "
+                 f"{kv.get('order')}, {fmt.size(kv.get('total_bytes') or 0)} of the device's KV region",
+                 f"  weights    {w['file']}: {fmt.size(w['bytes'] or 0)}, {w['count']} tensors ({w['storage']})",
+                 f"  chat       template from the {info['tokenizer']} ({info['chat_template']})",
+                 f"  target CPU {info['target_cpu']}"]
+        for name, mod in info["modules"].items():
+            lines.append(f"  {name:<10} {Path(mod['file']).name}: in " + ", ".join(map(_tensor_line, mod["inputs"][:2]))
+                         + (f" (+{len(mod['inputs']) - 2} KV)" if len(mod["inputs"]) > 2 else "")
+                         + "; out " + ", ".join(map(_tensor_line, mod["outputs"][:1]))
+                         + (f" (+{len(mod['outputs']) - 1} KV)" if len(mod["outputs"]) > 1 else ""))
+        return lines
+    lines = [f"{info['file']}: compiled module, {fmt.size(info['size'])}" +
+             (f", for CPU {info['target_cpu']}" if info.get("target_cpu") else "")]
+    if "inputs" in info:
+        lines += [f"  entry      {info['entry']}",
+                  "  inputs     " + ", ".join(map(_tensor_line, info["inputs"])),
+                  "  outputs    " + ", ".join(map(_tensor_line, info["outputs"]))]
+    io = info["io_meta"]
+    lines.append("  io_meta    " + (f"{io['num_inputs']} in / {io['num_outputs']} out, input buffer "
+                                    f"{io['input_bytes']:,} bytes, output buffer {io['output_bytes']:,} bytes"
+                                    if io else "none (the caller sizes the buffers with reserve_io)"))
+    if info.get("io_reserve"):
+        lines.append(f"  io_reserve {info['io_reserve']}")
+    if "weights" in info:
+        w = info["weights"]
+        lines.append(f"  weights    {w['mode']}" + (f": {w['file']} {fmt.size(w['bytes'] or 0)}, {w['count']} tensors"
+                                                    if w["file"] else " in the module"))
+        lines.append("  kernels    " + (", ".join(info["kernel_imports"]) or "none"))
+    lines.append(f"  imports    {len(info['imports'])} symbols from the export table: " + ", ".join(info["imports"]))
+    return lines
+
+
+@click.command("info")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="one JSON object instead of text")
+def info(path, as_json):
+    """What PATH holds: a compiled module (dir or .so), an LLM package (from
+    `dspx compile-llm`) or a GGUF file — inputs and outputs, buffer sizes,
+    imports, target CPU, weights; for an LLM its context, KV-cache layout
+    and chat template."""
+    facts = describe(path)
+    if as_json:
+        click.echo(json.dumps({"status": "ok", **facts}))
+    else:
+        click.echo("\n".join(_human(facts)))
+
+
+# ---------------------------------------------------------------- devices
+def candidate_sockets() -> list[tuple[str, str]]:
+    """(path, how it was found): $DSPX_SOCKET, the per-user default, and any
+    other socket in the per-user directory."""
+    found, seen = [], set()
+
+    def add(path, why):
+        if path and path not in seen:
+            seen.add(path)
+            found.append((path, why))
+
+    add(os.environ.get("DSPX_SOCKET"), "$DSPX_SOCKET")
+    # the per-user default as transport.default_socket_path computes it without $DSPX_SOCKET
+    default = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"dspx-{os.getuid()}", "dsp0.sock")
+    add(default, "default")
+    for p in sorted(glob.glob(os.path.join(os.path.dirname(default), "*.sock"))):
+        add(p, "per-user directory")
+    return found
+
+
+def probe(path: str, why: str) -> dict:
+    from ..transport import is_listening
+
+    d = {"socket": path, "found_by": why}
+    if not os.path.exists(path):
+        return {**d, "state": "absent"}
+    if not is_listening(path):
+        return {**d, "state": "stale", "note": "a socket file no device listens on (left by a device that died)"}
+    from .client import Client
+    try:
+        with Client(path, staging_size=0, printf_size=0, timeout=5) as c:
+            st, pools = c.status(), c.pools()
+    except DspxError as e:
+        return {**d, "state": "unreachable", "error": str(e)}
+    return {**d, "state": "running", "version": st["version"], "uptime_ms": st["uptime_ms"],
+            "cores": pools.get("cores"), "connections": pools.get("connections", 1) - 1,
+            "carveout_total": pools.get("carveout_total"), "carveout_used": pools.get("carveout_used"),
+            "ddr_total": pools.get("ddr_total"), "ddr_used": pools.get("ddr_used")}
+
+
+@click.command("devices")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object instead of text")
+def devices(as_json):
+    """List the devices this user can reach: $DSPX_SOCKET, the per-user
+    default socket and any other socket beside it (stale socket files are
+    named as such), each with its version, cores, uptime and memory."""
+    found = [d for d in (probe(p, why) for p, why in candidate_sockets())
+             if d["state"] != "absent" or d["found_by"] == "$DSPX_SOCKET"]
+    if as_json:
+        click.echo(json.dumps({"status": "ok", "devices": found}))
+        return
+    if not found:
+        click.echo("no device is running (every command starts a private one; `dspx serve` runs one that stays)")
+    for d in found:
+        if d["state"] == "running":
+            click.echo(f"{d['socket']}  device {d['version']}, {d['cores']} core(s), up "
+                       f"{d['uptime_ms'] / 1000:.1f} s, carveout {fmt.size(d['carveout_used'])} / "
+                       f"{fmt.size(d['carveout_total'])}, DDR {fmt.size(d['ddr_used'])} / "
+                       f"{fmt.size(d['ddr_total'])}, {d['connections']} other connection(s)  [{d['found_by']}]")
+        else:
+            click.echo(f"{d['socket']}  {d['state']}: {d.get('note') or d.get('error') or 'no such file'}  "
+                       f"[{d['found_by']}]")
