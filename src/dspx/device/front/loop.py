@@ -576,7 +576,7 @@ class Service:
         entry = self._refused[fd]
         s, why = entry[0], entry[2]
         try:
-            data, fds = s.recv_fds(P.MAX_MSG + 1, 4)[:2]
+            data, fds = socket.recv_fds(s, P.MAX_MSG + 1, 4)[:2]
         except BlockingIOError:
             return
         except OSError:

@@ -35,7 +35,7 @@ class Limits:
     connections, half minus a reserve to buffers, the rest to cores,
     epoll, the listening socket and transient copies."""
     conns: int = MAX_CONNS
-    conns_per_peer: int = 64  # connections of one process (SO_PEERCRED pid)
+    conns_per_peer: int = MAX_CONNS // 4  # connections of one process (SO_PEERCRED pid)
     bufs_per_conn: int = MAX_BUFS_PER_CONN
     bufs_total: int = 4096
     conn_bytes: int = 0  # window bytes one connection may attach (0: the whole window)
@@ -44,7 +44,7 @@ class Limits:
     @classmethod
     def for_device(cls, nofile: int, window: int, conn_bytes: int | None = None) -> "Limits":
         conns = max(8, min(MAX_CONNS, nofile // 4))
-        return cls(conns=conns, conns_per_peer=max(2, min(64, conns // 4)),
+        return cls(conns=conns, conns_per_peer=max(2, conns // 4),
                    bufs_total=max(MAX_BUFS_PER_CONN, nofile // 2 - 64),
                    conn_bytes=window * 3 // 4 if conn_bytes is None else conn_bytes, nofile=nofile)
 
