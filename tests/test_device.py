@@ -37,7 +37,7 @@ def test_raw_ping_and_status_byte_for_byte(shared_device):
     assert len(r) == 32
     typ, seq, ln, status, version, uptime2, done, failed = struct.unpack("<IIIiIIII", r)
     assert (typ, seq, ln, status, version) == (0x1003, 42, 32, 0, 0x030000)
-    assert uptime2 >= uptime and done >= 0 and failed >= 0
+    assert uptime2 >= uptime  # (done and failed are u32 counters: any value is well-formed)
     s.close()
 
 
@@ -116,7 +116,7 @@ def test_shared_pages_and_sync_counters(shared_device, client_of):
     c = client_of(shared_device.path)
     hdr = struct.unpack_from("<IIII", c.printf_buf.mm, 0)
     assert hdr == (layout.PRINTF_MAGIC, 0, c.printf_buf.size, 0)
-    assert c.staging.dsp_addr == 0xC000_0000 or c.staging.dsp_addr > 0xC000_0000
+    assert memory.CARVEOUT_BASE <= c.staging.dsp_addr < memory.CARVEOUT_BASE + memory.CARVEOUT_SIZE
     buf = c.alloc(4096)
     buf.begin_cpu_access(memory.SYNC_WRITE)
     buf.end_cpu_access(memory.SYNC_WRITE)
