@@ -66,7 +66,12 @@ def _read_inputs(specs, given, shapes, dtypes):
                    "for models that carry a KV cache from call to call")
 @click.option("--socket", default=None, envvar="DSPX_SOCKET")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object instead of readable lines")
-def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_json):
+@click.option("--profile", "do_profile", is_flag=True,
+              help="then one call more with every kernel and TVM function timed on the device: a per-layer "
+                   "table sorted by time (in the JSON with --json; docs/profiling.md)")
+@click.option("--trace", "trace_path", default=None, metavar="OUT.json",
+              help="write a Chrome trace-event timeline of host and device (docs/profiling.md)")
+def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_json, do_profile, trace_path):
     """Run a compiled MODULE (dir or .so) on the device once (or --repeat N
     times) and report its outputs and the device time."""
     from .. import fmt
@@ -75,6 +80,10 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
 
     _, meta = find_module(module)
     args, named = _read_inputs(input_specs(meta), inputs, shape, dtype)
+    if trace_path:
+        from .. import trace
+        trace.start_host(trace_path)  # before the device starts: a private one inherits DSPX_TRACE
+    report = None
     with VirtualMachine(module, socket=socket) as vm:
         private = vm.client.device is not None
         out_specs = vm.output_specs()
@@ -97,10 +106,17 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
             else:
                 np.array(outs[0]).tofile(output)
         cycles = vm.last_cycles
+        if do_profile:
+            from .profile import profile
+            report = profile(vm, *args, runs=max(1, repeat), **named)
+    if trace_path:
+        click.echo(f"trace: {trace.finish()}", err=True)
     result = {"status": "ok", "num_outputs": len(outs), "outputs": descs, "cycles": cycles,
               "time_ms": _ms(cycles), "clock": CLOCK, "private_device": private}
     if output:
         result["written"] = output
+    if report is not None:
+        result["profile"] = report.to_dict()
     if runs:
         s = sorted(runs)
         result["repeat"] = {"runs": len(runs), "min_ms": _ms(s[0]), "median_ms": _ms(statistics.median(s)),
@@ -122,3 +138,6 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
         click.echo(f"  output   {d['name']:<{width}}  {d['dtype']}[{', '.join(map(str, d['shape']))}]")
     if output:
         click.echo(f"  written  {output}")
+    if report is not None:
+        click.echo(f"profile ({report.runs} run(s), device cycles):")
+        click.echo(report.table())
