@@ -245,6 +245,7 @@ def _load_extra_commands():
                           ("dspx.host.ops_cmd", "load_ops"), ("dspx.host.ops_cmd", "ops"),
                           ("dspx.host.info_cmd", "info"), ("dspx.host.info_cmd", "devices"),
                           ("dspx.host.llm_cmd", "generate"), ("dspx.host.llm_cmd", "chat"),
+                          ("dspx.host.serve_llm", "command"),
                           ("dspx.compiler.llm_cmd", "compile_llm"),
                           ("dspx.sdk.cli", "sdk"), ("dspx.sdk.cli", "build_ops")):
         try:
