@@ -76,8 +76,8 @@ def big_library(cmd: int) -> str:
 
 def raw(path: str) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(path)  # blocking: waits while the listen backlog is full
     s.settimeout(10)
-    s.connect(path)
     return s
 
 
