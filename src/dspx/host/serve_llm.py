@@ -21,8 +21,9 @@ the new turn).  The model name in a request is not checked: existing clients
 send their own.  Binds 127.0.0.1 unless told otherwise; ``--api-key`` (or
 ``$DSPX_API_KEY``) requires ``Authorization: Bearer <key>``.
 """
-from __future__ import annotations
 
+# (no `from __future__ import annotations`: FastAPI resolves the handlers' Request annotation at
+# definition time, and fastapi is imported inside create_app so the CLI loads without the extra)
 import asyncio
 import concurrent.futures
 import json
