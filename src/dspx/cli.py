@@ -239,21 +239,41 @@ def status(socket, as_json):
                f"rss: {st['rss_bytes'] / 2**20:.1f} MiB")
 
 
+# Commands that need heavy optional dependencies live in their own modules:
+# (module, attribute, command name).
+EXTRA_COMMANDS = (
+    ("dspx.host.run_cmd", "run", "run"), ("dspx.compiler.cli_compile", "compile", "compile"),
+    ("dspx.host.ops_cmd", "load_ops", "load-ops"), ("dspx.host.ops_cmd", "ops", "ops"),
+    ("dspx.host.info_cmd", "info", "info"), ("dspx.host.info_cmd", "devices", "devices"),
+    ("dspx.host.llm_cmd", "generate", "generate"), ("dspx.host.llm_cmd", "chat", "chat"),
+    ("dspx.host.serve_llm", "command", "serve-llm"),
+    ("dspx.compiler.llm_cmd", "compile_llm", "compile-llm"),
+    ("dspx.sdk.cli", "sdk", "sdk"), ("dspx.sdk.cli", "build_ops", "build-ops"))
+
+
+def _unavailable(name: str, error: ImportError) -> click.Command:
+    """A stand-in for a command whose module needs an extra that is not
+    installed: it is listed, and running it names the extra."""
+    from .errors import missing_extra
+
+    missing = missing_extra(error, f"`dspx {name}`")
+
+    @click.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+                   help=f"(not installed: {missing or error})", add_help_option=False)
+    def stand_in():
+        raise missing or error
+    return stand_in
+
+
 def _load_extra_commands():
-    # Commands that need heavy optional dependencies live in their own modules.
-    for modname, attr in (("dspx.host.run_cmd", "run"), ("dspx.compiler.cli_compile", "compile"),
-                          ("dspx.host.ops_cmd", "load_ops"), ("dspx.host.ops_cmd", "ops"),
-                          ("dspx.host.info_cmd", "info"), ("dspx.host.info_cmd", "devices"),
-                          ("dspx.host.llm_cmd", "generate"), ("dspx.host.llm_cmd", "chat"),
-                          ("dspx.host.serve_llm", "command"),
-                          ("dspx.compiler.llm_cmd", "compile_llm"),
-                          ("dspx.sdk.cli", "sdk"), ("dspx.sdk.cli", "build_ops")):
+    for modname, attr, name in EXTRA_COMMANDS:
         try:
             mod = __import__(modname, fromlist=[attr])
         except ImportError as e:
-            if e.name and e.name.startswith("dspx"):
+            if e.name and e.name.startswith("dspx"):  # a module not (yet) in this tree
                 continue
-            raise
+            main.add_command(_unavailable(name, e))
+            continue
         cmd = getattr(mod, attr, None)
         if cmd is not None:
             main.add_command(cmd)

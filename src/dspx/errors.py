@@ -130,5 +130,9 @@ class MissingExtra(DspxError, ImportError):
 
 def missing_extra(e: ImportError, what: str = "this") -> MissingExtra | None:
     """The MissingExtra an ImportError of an optional dependency stands for."""
-    top = (e.name or "").split(".")[0]
-    return MissingExtra(top, what) if top in EXTRA_OF else None
+    while e is not None:  # an ImportError raised with a friendlier text keeps the real one as its cause
+        top = (getattr(e, "name", None) or "").split(".")[0]
+        if top in EXTRA_OF:
+            return MissingExtra(top, what)
+        e = e.__cause__ if isinstance(e.__cause__, ImportError) else None
+    return None
