@@ -94,8 +94,9 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
         other = "".join(ln for ln in captured.getvalue().splitlines(True) if not re.match(r"run \d+: ", ln))
         if other:
             click.echo(other, err=True, nl=False)
-        names = [s.name for s in out_specs] if len(out_specs) == len(outs) else [f"output_{i}" for i in
-                                                                                 range(len(outs))]
+        # (with --kv-resident only the first outputs come back: they keep their names)
+        names = ([s.name for s in out_specs][:len(outs)] if len(out_specs) >= len(outs)
+                 else [f"output_{i}" for i in range(len(outs))])
         descs = [{"index": i, "name": n, "dtype": o.dtype.name, "shape": list(o.shape), "ndim": o.ndim,
                   "data_size": int(o.nbytes)} for i, (n, o) in enumerate(zip(names, outs))]
         if output:
