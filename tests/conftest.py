@@ -60,6 +60,15 @@ def shared_device():
     d.stop()
 
 
+@pytest.fixture(scope="session")
+def default_device():
+    """One device with the default sizes for the whole session, for tests that
+    need the default staging / KV region (tests must not depend on its history)."""
+    d = Device()
+    yield d
+    d.stop()
+
+
 @pytest.fixture
 def client_of():
     """Open clients on a device socket; all are closed at the end."""

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import CACHE, Device
+from conftest import CACHE
 
 
 def dspx(*args, stdin=None, timeout=300):
@@ -18,11 +18,9 @@ def dspx(*args, stdin=None, timeout=300):
                           text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def big_device():
-    d = Device()  # default sizes: `dspx run` and the LLM want the default staging and KV region
-    yield d
-    d.stop()
+@pytest.fixture
+def big_device(default_device):
+    return default_device  # `dspx run` and the LLM want the default staging and KV region
 
 
 def test_run_kv_resident_hands_back_only_the_first_output(big_device, compiled, example_onnx, tmp_path):
@@ -66,15 +64,6 @@ def test_chat_answers_each_line_and_reset_forgets_the_history(big_device, llm_di
     # greedy decoding: after /reset the same question gets the same answer
     assert answers[0] == answers[1] and "Paris" in answers[0], answers
     assert "(history cleared)" in p.stderr and "context" in p.stderr
-
-
-def test_compile_llm_refuses_a_context_past_the_kv_region_naming_the_largest(tmp_path):
-    p = dspx("compile-llm", "-o", tmp_path / "llm", "--context", "100000", "--json")
-    assert p.returncode == 1, p.stderr
-    res = json.loads(p.stdout)
-    assert res["status"] == "error" and res["error"] == "LLMCompileError", res
-    assert "context 100000 does not fit" in res["message"] and "largest context" in res["message"]
-    assert not (tmp_path / "llm" / "metadata.json").exists()
 
 
 def test_compile_llm_of_a_missing_gguf_is_a_clear_error(tmp_path):

@@ -13,7 +13,6 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import SMALL, Device
 from dspx.abi import layout
 from dspx.abi.protocol import Status
 from dspx.errors import Busy, ModuleLoadError
@@ -32,11 +31,9 @@ HOLD_OPS = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def dev():
-    d = Device(*SMALL)
-    yield d
-    d.stop()
+@pytest.fixture
+def dev(default_device):
+    return default_device
 
 
 def _cores(dev) -> set[int]:
