@@ -54,6 +54,11 @@ KERNELS: dict[str, KernelABI] = {
     "avg_pool2d": _abi("data", "pool strides padding dilation ceil_mode count_include_pad layout"),
     "global_avg_pool2d": _abi("data", "layout"),
     "dense": _abi("data weight bias", "trans_b act"),
+    # the same with an int8 weight and its per-output-channel scales (O,) / (N,):
+    # weight = q * wscale (dspx compile --weights int8)
+    "conv2d_qw": _abi("data weight bias wscale", "strides padding dilation groups layout act"),
+    "conv2d_add_qw": _abi("data weight bias residual wscale", "strides padding dilation groups layout act"),
+    "dense_qw": _abi("data weight bias wscale", "trans_b act"),
     "matmul": _abi("a b", "trans_b"),
     "gemv_q8": _abi("data qweight scales", "block"),
     "gemv_q4": _abi("data qweight scales", "block"),
@@ -70,6 +75,7 @@ KERNELS: dict[str, KernelABI] = {
 #: which argument positions of a kernel may take a blocked tensor, and the flag that says so
 BLOCKED_ARGS: dict[str, dict[int, int]] = {
     "conv2d": {0: IN_BLOCKED}, "conv2d_add": {0: IN_BLOCKED, 3: RES_BLOCKED},
+    "conv2d_qw": {0: IN_BLOCKED}, "conv2d_add_qw": {0: IN_BLOCKED, 3: RES_BLOCKED},
     "max_pool2d": {0: IN_BLOCKED}, "global_avg_pool2d": {0: IN_BLOCKED}}
 
 

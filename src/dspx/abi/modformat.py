@@ -85,6 +85,10 @@ class Signature:
     weights: str = "embedded"
     num_weights: int = 0
     weights_digest: str | None = None
+    #: the LLVM CPU the code was generated for and the /proc/cpuinfo flags it
+    #: needs (the loader refuses the module on a CPU without them)
+    target_cpu: str | None = None
+    cpu_features: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -111,7 +115,9 @@ class Signature:
                        workspace_bytes=int(d["workspace_bytes"]),
                        weights=d["weights"],
                        num_weights=int(d["num_weights"]),
-                       weights_digest=d["weights_digest"])
+                       weights_digest=d["weights_digest"],
+                       target_cpu=d.get("target_cpu"),  # absent in modules of older compilers
+                       cpu_features=[str(f) for f in d.get("cpu_features", [])])
         except KeyError as e:
             raise ValueError(f"bad {SIGNATURE_NAME} blob: missing field {e}") from None
         except (UnicodeDecodeError, TypeError, ValueError) as e:  # JSONDecodeError is a ValueError

@@ -198,3 +198,61 @@ def random_inputs(meta: dict, seed: int = 0) -> list[np.ndarray]:
         else:
             out.append(rng.standard_normal(t["shape"]).astype(t["dtype"]))
     return out
+
+
+# ---------------------------------------------------------------- the onnx wheel's "light" models
+
+LIGHT_DIR = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
+
+
+def light_model(name: str, seed: int = SEED) -> onnx.ModelProto:
+    """One of the onnx wheel's real architectures (``light_<name>.onnx``:
+    vgg19, resnet50, shufflenet, densenet121, inception_v1/v2, squeezenet,
+    bvlc_alexnet, zfnet512) with random weights in place of its
+    ``ConstantOfShape(X__SHAPE)`` placeholders: He-initialised filters and
+    matrices (so activations keep their scale through deep nets), small
+    biases, BatchNorm statistics near identity."""
+    model = onnx.load(str(LIGHT_DIR / f"light_{name}.onnx"))
+    g = model.graph
+    rng = np.random.default_rng(seed)
+    shapes = {i.name: numpy_helper.to_array(i) for i in g.initializer if i.name.endswith("__SHAPE")}
+    consumers: dict[str, list] = {}
+    for node in g.node:
+        for i, inp in enumerate(node.input):
+            consumers.setdefault(inp, []).append((node.op_type, i))
+    nodes, inits = [], [i for i in g.initializer if not i.name.endswith("__SHAPE")]
+    for node in g.node:
+        if node.op_type == "ConstantOfShape" and node.input[0] in shapes:
+            out = node.output[0]
+            shape = [int(d) for d in shapes[node.input[0]]]
+            use = consumers.get(out, [("", 0)])[0]
+            if len(shape) >= 2:  # filter or weight matrix: fan-in is all but the output axis
+                fan_in = int(np.prod(shape[1:])) if use != ("Gemm", 1) or len(shape) != 2 else shape[1]
+                value = rng.standard_normal(shape) * np.sqrt(2.0 / max(fan_in, 1))
+            elif use[0] == "BatchNormalization" and use[1] in (1, 4):  # scale, variance
+                value = rng.uniform(0.8, 1.2, shape)
+            else:  # biases, BN shift and mean
+                value = rng.uniform(-0.05, 0.05, shape)
+            inits.append(numpy_helper.from_array(value.astype(np.float32), out))
+            continue
+        nodes.append(node)
+    names = {i.name for i in inits}
+    del g.node[:]
+    g.node.extend(nodes)
+    del g.initializer[:]
+    g.initializer.extend(inits)
+    kept = [i for i in g.input if i.name in names or not i.name.endswith("__SHAPE")]
+    del g.input[:]
+    g.input.extend(kept)
+    return model
+
+
+def light(name: str, path, seed: int = SEED) -> Path:
+    """Save :func:`light_model` to ``path`` (built once: an existing file is kept)."""
+    path = Path(path)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        onnx.save(light_model(name, seed), tmp)
+        tmp.replace(path)
+    return path

@@ -43,7 +43,7 @@ _LAYOUT_ARG = {k: KERNELS[k].position("layout") for k in BLOCKED_ARGS}
 
 #: every kernel this pass may emit (subset of the firmware's export table)
 EMITTED = frozenset(PREFIX + n for n in (
-    "conv2d", "conv2d_add", "max_pool2d", "avg_pool2d", "global_avg_pool2d",
+    "conv2d", "conv2d_add", "conv2d_qw", "conv2d_add_qw", "dense_qw", "max_pool2d", "avg_pool2d", "global_avg_pool2d",
     "dense", "matmul", "softmax", "layernorm", "rmsnorm"))
 
 
@@ -139,6 +139,22 @@ class _Matcher:
     def single(self, var) -> bool:
         return isinstance(var, relax.Var) and self.uses.get(var, 0) == 1 and var in self.defs
 
+    def stored_weight(self, w):
+        """(stored, scale) when the float32 weight ``w`` is restored from a
+        reduced-precision weight (dspx.compiler.weights): astype(float16 W) ->
+        (W, None); astype(int8 Q) * S -> (Q, S).  None otherwise."""
+        v = self.value(w)
+        if _op(v) == "relax.astype" and _dtype(v.args[0]) == "float16" and isinstance(v.args[0], relax.Var) \
+                and v.args[0] not in self.defs:
+            return v.args[0], None
+        if _op(v) == "relax.multiply":
+            for c, sc in (v.args, v.args[::-1]):
+                cv = self.value(c)
+                if (_op(cv) == "relax.astype" and _dtype(cv.args[0]) == "int8" and _f32(sc)
+                        and isinstance(cv.args[0], relax.Var) and cv.args[0] not in self.defs):
+                    return cv.args[0], sc
+        return None
+
     # conv2d [+ bias] [+ residual] [+ relu]
     def conv_chain(self, var):
         """Return (conv_call, bias, residual, act) if var is the end of a conv chain.
@@ -215,9 +231,15 @@ class _Matcher:
             pad = pad + pad
         attrs = [_shape_arg(a.strides), _shape_arg(pad), _shape_arg(a.dilation),
                  _i(a.groups), layout, _i(act)]
+        stored = self.stored_weight(w)
+        scale = []
+        if stored is not None:
+            w = stored[0]
+            scale = [("reshape", stored[1], cout)] if stored[1] is not None else []
+        suffix = "_qw" if scale else ""
         if residual is not None:
-            return _Plan(PREFIX + "conv2d_add", [x, w, bias, residual] + attrs)
-        return _Plan(PREFIX + "conv2d", [x, w, bias] + attrs)
+            return _Plan(PREFIX + "conv2d_add" + suffix, [x, w, bias, residual] + scale + attrs)
+        return _Plan(PREFIX + "conv2d" + suffix, [x, w, bias] + scale + attrs)
 
     def plan_dense(self, var) -> _Plan | None:
         self.inner = []
@@ -257,6 +279,12 @@ class _Matcher:
                 w, trans_b = wv.args[0], 1  # keep the stored (N, K) weight
             n = os_[-1]
             b = ("reshape", bias, n) if bias is not None else ("zeros", n)
+            stored = self.stored_weight(w)
+            if stored is not None and stored[1] is not None:
+                return _Plan(PREFIX + "dense_qw", [x, stored[0], b, ("reshape", stored[1], n),
+                                                   _i(trans_b), _i(act)])
+            if stored is not None:
+                w = stored[0]
             return _Plan(PREFIX + "dense", [x, w, b, _i(trans_b), _i(act)])
         if bias is not None or act != ACT_NONE or len(xs) < 2 or len(ws) < 2:
             return None
@@ -361,15 +389,15 @@ def _block_layouts(m: _Matcher, plans: dict, swallowed: set) -> int:
         return p.kernel[len(PREFIX):]
 
     def groups_ok(p):
-        if short(p) not in ("conv2d", "conv2d_add"):
+        if not short(p).startswith("conv2d"):
             return True
-        g = _pv_int(p.args[6 if short(p) == "conv2d" else 7])
+        g = _pv_int(p.args[KERNELS[short(p)].position("groups")])
         cin = _shape(p.args[0])[1]
         return g == 1 or g == cin  # plain or depthwise: both have NCHWc kernels
     n = 0
     for var, p in plans.items():
         k = short(p)
-        if k not in ("conv2d", "conv2d_add", "max_pool2d") or not groups_ok(p):
+        if k not in ("conv2d", "conv2d_add", "conv2d_qw", "conv2d_add_qw", "max_pool2d") or not groups_ok(p):
             continue
         if p.args[_LAYOUT_ARG[k]] & 3 != LAYOUT_NCHW:
             continue

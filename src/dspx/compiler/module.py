@@ -61,11 +61,13 @@ def write_weights(path, named: list[tuple[str, np.ndarray]]) -> str:
 
 def write_metadata(path, signature: Signature, io_meta: IoMeta, *, target: dict, tvm_version: str,
                    module_file: str = MODULE_FILE, weights_file: str | None = None,
-                   io_reserve: dict | None = None) -> dict:
+                   io_reserve: dict | None = None, extra: dict | None = None) -> dict:
     """``metadata.json``: what the host needs to drive the module.
 
     ``io_reserve`` ({"input_bytes", "output_bytes"}) is set only when the
-    io_meta table over-declares what a call really uses; null otherwise."""
+    io_meta table over-declares what a call really uses; null otherwise.
+    ``extra``: more top-level fields (the ONNX compiler's cpu_features,
+    weights_precision and verify reports)."""
 
     def tensors(specs):
         return [dict(t.to_json(), nbytes=t.nbytes) for t in specs]
@@ -86,6 +88,7 @@ def write_metadata(path, signature: Signature, io_meta: IoMeta, *, target: dict,
         "workspace_bytes": signature.workspace_bytes,
         "target": target,
         "tvm_version": tvm_version,
+        **(extra or {}),
     }
     tmp = Path(path).with_suffix(".json.tmp")
     tmp.write_text(json.dumps(meta, indent=2) + "\n")

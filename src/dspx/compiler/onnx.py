@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 from rich.console import Console
 
+from dspx.compiler.checks import CompileError, apply_shapes, node_errors, precheck, rewrite_prelu
 from dspx.compiler.module import (IO_META_NAME, METADATA_FILE, MODULE_FILE, SIGNATURE_NAME, WEIGHTS_FILE,
                                   Signature, TensorSpec, export_module, make_io_meta, write_metadata,
                                   write_weights)
@@ -20,15 +21,6 @@ from dspx.compiler.module import (IO_META_NAME, METADATA_FILE, MODULE_FILE, SIGN
 # weights: shapes, axes and scalars must be compile-time constants for the
 # frontend to produce static shapes, and are not worth shipping apart anyway.
 MIN_WEIGHT_ELEMENTS = 64
-
-
-class CompileError(Exception):
-    """The model cannot be compiled; the message says why (unsupported
-    operators are named)."""
-
-    def __init__(self, message: str, operators: list[str] | None = None):
-        super().__init__(message)
-        self.operators = operators or []
 
 
 def detect_mcpu() -> str:
@@ -58,8 +50,55 @@ def detect_mcpu() -> str:
     return "x86-64"
 
 
-def make_target() -> dict:
-    return {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": detect_mcpu(),
+#: the portable x86-64 levels; any LLVM CPU name (``llc -mcpu=help``) works too
+TARGET_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
+DEFAULT_TARGET = "native"
+
+# LLVM feature name -> /proc/cpuinfo flag, for the instruction-set extensions
+# generated code may use (what the device's loader checks, dspx.device.core.cpu)
+_CPUINFO_FLAG = {
+    "sse3": "pni", "ssse3": "ssse3", "sse4.1": "sse4_1", "sse4.2": "sse4_2", "popcnt": "popcnt",
+    "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi": "bmi1", "bmi2": "bmi2",
+    "lzcnt": "abm", "movbe": "movbe", "avx512f": "avx512f", "avx512cd": "avx512cd",
+    "avx512bw": "avx512bw", "avx512dq": "avx512dq", "avx512vl": "avx512vl",
+    "avx512ifma": "avx512ifma", "avx512vbmi": "avx512vbmi", "avx512vbmi2": "avx512_vbmi2",
+    "avx512vnni": "avx512_vnni", "avx512bitalg": "avx512_bitalg",
+    "avx512vpopcntdq": "avx512_vpopcntdq", "avx512bf16": "avx512_bf16",
+    "avx512fp16": "avx512_fp16", "avxvnni": "avx_vnni", "gfni": "gfni", "vaes": "vaes",
+    "vpclmulqdq": "vpclmulqdq", "sse4a": "sse4a", "amx-tile": "amx_tile", "amx-int8": "amx_int8",
+    "amx-bf16": "amx_bf16",
+}
+
+
+def resolve_cpu(target: str | None = None) -> str:
+    """The LLVM CPU for ``--target``: "native" (this machine, detected), an
+    x86-64 level, or an LLVM CPU name."""
+    from tvm.target import codegen
+
+    name = (target or DEFAULT_TARGET).strip()
+    if name == "native":
+        return detect_mcpu()
+    try:
+        valid = codegen.llvm_is_valid_cpu(name, "x86_64-linux-gnu")
+    except Exception:  # noqa: BLE001 - LLVM builds without the helper: trust the name
+        valid = True
+    if not valid:
+        raise CompileError(f"unknown --target {name!r}: use native, {', '.join(TARGET_LEVELS)} "
+                           f"or an LLVM x86 CPU name (e.g. znver4, icelake-server)")
+    return name
+
+
+def cpu_features(mcpu: str) -> list[str]:
+    """The /proc/cpuinfo flags code generated for ``mcpu`` may need."""
+    import tvm
+    from tvm.target import codegen
+
+    t = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": mcpu})
+    return sorted({_CPUINFO_FLAG[f] for f in codegen.llvm_get_cpu_features(t) if f in _CPUINFO_FLAG})
+
+
+def make_target(target: str | None = None) -> dict:
+    return {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": resolve_cpu(target),
             "num-cores": os.cpu_count() or 1}
 
 
@@ -108,15 +147,24 @@ def _split_weights(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def _spec(name: str, ty) -> TensorSpec:
-    shape = ty.shape.values if ty.shape is not None else None
+def _spec(name: str, ty, kind: str) -> TensorSpec:
+    shape = ty.shape.values if getattr(ty, "shape", None) is not None else None
     if shape is None or not all(hasattr(s, "value") for s in shape):
-        raise CompileError(f"tensor {name!r} has a dynamic shape {ty}; dspx modules need static shapes "
-                           f"(fix the dimensions in the ONNX model)")
+        text = "unknown rank" if shape is None else "[" + ", ".join(str(s) for s in shape) + "]"
+        if kind == "input":
+            raise CompileError(f"input {name!r} has a dynamic shape {text}; dspx modules need static shapes: "
+                               f"give it with --shape {name}=D0,D1,... or --dim NAME=VALUE")
+        raise CompileError(f"output {name!r} has a shape TVM cannot infer statically ({text}): it depends on "
+                           "input values (e.g. NonZero, Unique, a shape computed from data); dspx modules "
+                           "need static output shapes: fix the value-dependent part in the model, or give "
+                           "static input shapes with --shape/--dim if they are the cause")
     try:
         return TensorSpec(name, tuple(int(s.value) for s in shape), str(ty.dtype))
     except ValueError as e:  # a dtype or rank tensor descriptors cannot carry
-        raise CompileError(f"tensor {name!r}: {e}") from None
+        raise CompileError(f"{kind} {name!r}: {e}") from None
+    except AttributeError:
+        raise CompileError(f"{kind} {name!r} is not a tensor ({ty}); dspx modules take and return tensors "
+                           "only") from None
 
 
 def _io_specs(model: onnx.ModelProto, func, num_inputs: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -125,12 +173,41 @@ def _io_specs(model: onnx.ModelProto, func, num_inputs: int) -> tuple[list[Tenso
     inits = {i.name for i in model.graph.initializer}
     in_names = [i.name for i in model.graph.input if i.name not in inits]
     out_names = [o.name for o in model.graph.output]
-    inputs = [_spec(n, p.ty) for n, p in zip(in_names, func.params[:num_inputs])]
+    inputs = [_spec(n, p.ty, "input") for n, p in zip(in_names, func.params[:num_inputs])]
     ret = func.ret_ty
     out_tys = list(ret.fields) if hasattr(ret, "fields") else [ret]
     if len(out_tys) != len(out_names):
-        raise CompileError(f"the entry returns {len(out_tys)} values, the ONNX graph declares {len(out_names)} outputs")
-    return inputs, [_spec(n, t) for n, t in zip(out_names, out_tys)]
+        raise CompileError(f"the entry returns {len(out_tys)} values, the ONNX graph declares {len(out_names)} "
+                           "outputs (an output that is a sequence or tuple?); dspx modules return tensors only")
+    return inputs, [_spec(n, t, "output") for n, t in zip(out_names, out_tys)]
+
+
+@contextmanager
+def _quiet_stderr(enabled: bool = True):
+    """Swallow what TVM's C++ side prints on fd 2 while it imports (e.g. a
+    "BlockBuilder destroyed with remaining blocks" warning after a failed
+    conversion): the CompileError says what failed, in one line."""
+    import gc
+    import tempfile
+
+    if not enabled:
+        yield
+        return
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            gc.collect()  # the frontend's BlockBuilder warns when it is destroyed
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _pipeline(target, record: dict):
@@ -182,52 +259,75 @@ def _rewrite_kernels(mod, target) -> tuple[object, list[str]]:
 
 
 def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bool = True,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, *, target: str | None = None, verify: bool = True,
+                 shapes: dict | None = None, dims: dict | None = None, weights: str = "float32",
+                 verifier=None) -> dict:
     """Compile an ONNX model into ``outdir``; returns the metadata written to
-    ``outdir/metadata.json`` (plus ``"timings"`` in seconds per stage)."""
+    ``outdir/metadata.json`` (plus ``"timings"`` in seconds per stage).
+
+    target: "native" (default: this machine's CPU), an x86-64 level
+        ("x86-64-v3" travels to any AVX2 machine) or an LLVM CPU name.
+    verify: run the module on a device against a reference (onnxruntime, else
+        TVM's unoptimized build) before declaring success (dspx.compiler.verify).
+    shapes / dims: {input: [d0, d1, ...]} / {symbol: value} for dynamic inputs.
+    weights: "float32", "float16" or "int8" (implies separate weights).
+    verifier: a dspx.compiler.verify.Verifier to reuse across compiles.
+    """
     import tvm
     from tvm import relax
-    from tvm.relax.frontend.onnx import from_onnx
 
+    from dspx.compiler.weights import MODES, reduce_weights
+
+    if weights not in MODES:
+        raise CompileError(f"--weights must be one of {', '.join(MODES)}, got {weights!r}")
+    separate_weights = separate_weights or weights != "float32"
     outdir = Path(outdir)
     prog = _Progress(progress)
+    target_dict = make_target(target)
+    features = cpu_features(target_dict["mcpu"])
     with prog.stage("import", f"import {Path(model_path).name}"):
         try:
             model = onnx.load(str(model_path))
         except Exception as e:
-            raise CompileError(f"cannot read ONNX model {model_path}: {e}") from e
+            raise CompileError(f"cannot read ONNX model {model_path}: {e}") from None
+        precheck(model)
+        apply_shapes(model, shapes, dims)
+        reference, wreport = reduce_weights(model, weights)  # the verification reference
+        rewrite_prelu(model)
         if separate_weights:
             model = _split_weights(model)
-        try:
-            mod = from_onnx(model, keep_params_in_input=separate_weights)
-        except tvm.error.OpNotImplemented as e:
-            text = str(e)
-            m = re.search(r"not supported for frontend ONNX:\s*([^\n]+)", text)
-            ops = sorted(o.strip() for o in m.group(1).split(",")) if m else []
-            raise CompileError(f"unsupported ONNX operator(s): {', '.join(ops) or text}", ops) from None
-        except Exception as e:  # the frontend raises assorted types for graphs it cannot convert
-            raise CompileError(f"TVM cannot import {Path(model_path).name}: {type(e).__name__}: {e}") from e
+        model, _ = reduce_weights(model, weights)
+        mod, model = _import(model, separate_weights)
         params = []
         if separate_weights:
             mod, detached = relax.frontend.detach_params(mod)
             params = detached.get("main", [])
+        imported = mod
         func = mod["main"]
         num_inputs = len(func.params) - len(params)
         inputs, outputs = _io_specs(model, func, num_inputs)
         weight_names = [p.name for p in func.params[num_inputs:]]
 
-    target_dict = make_target()
     target = tvm.target.Target(target_dict)
     imports: list[str] = []
     record: dict = {}
     with prog.stage("optimize", "optimize (relax pipeline)"):
-        mod = relax.transform.DecomposeOpsForInference()(mod)  # BatchNorm etc. to arithmetic
-        if kernels:
-            mod, imports = _rewrite_kernels(mod, target)
-        with target:
-            mod = _pipeline(target, record)(mod)
+        try:
+            mod = relax.transform.DecomposeOpsForInference()(mod)  # BatchNorm etc. to arithmetic
+            if kernels:
+                mod, imports = _rewrite_kernels(mod, target)
+            with target:
+                mod = _pipeline(target, record)(mod)
+        except CompileError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a pass that cannot handle the graph
+            raise CompileError(f"TVM cannot optimize the model: {type(e).__name__}: {_one_line(e)}; "
+                               "try --no-kernels, or report the model") from None
     with prog.stage("build", f"build for {target_dict['mcpu']}"):
-        ex = tvm.compile(mod, target, relax_pipeline=None)
+        try:
+            ex = tvm.compile(mod, target, relax_pipeline=None)
+        except Exception as e:  # noqa: BLE001
+            raise CompileError(f"TVM cannot build the model: {type(e).__name__}: {_one_line(e)}") from None
 
     outdir.mkdir(parents=True, exist_ok=True)
     with prog.stage("export", f"export {outdir / MODULE_FILE}"):
@@ -240,11 +340,84 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
         sig = Signature(entry="main", inputs=inputs, outputs=outputs, kernel_imports=imports,
                         workspace_bytes=record.get("workspace_bytes", 0),
                         weights="separate" if separate_weights else "embedded",
-                        num_weights=len(params), weights_digest=digest)
+                        num_weights=len(params), weights_digest=digest,
+                        target_cpu=target_dict["mcpu"], cpu_features=features)
         io_meta = make_io_meta(inputs, outputs)
         export_module(ex, outdir / MODULE_FILE, {IO_META_NAME: io_meta.encode(), SIGNATURE_NAME: sig.encode()})
-        meta = write_metadata(outdir / METADATA_FILE, sig, io_meta, target=target_dict,
-                              tvm_version=tvm.__version__,
-                              weights_file=WEIGHTS_FILE if separate_weights else None)
+        meta = _metadata(outdir, sig, io_meta, target_dict, tvm.__version__, separate_weights, wreport, None)
+    if verify:
+        with prog.stage("verify", "verify against a reference"):
+            missing = _missing_here(features)
+            if missing:
+                report = {"skipped": f"this machine lacks {', '.join(missing)} for {target_dict['mcpu']}"}
+            else:
+                from dspx.compiler import verify as _verify
+
+                original = None
+                if weights != "float32":
+                    original = onnx.load(str(model_path))
+                    apply_shapes(original, shapes, dims)
+                    original = original.SerializeToString()
+                report = _verify.verify(outdir, meta, reference.SerializeToString(), imported, params,
+                                        verifier=verifier, float32_model=original)
+            meta = _metadata(outdir, sig, io_meta, target_dict, tvm.__version__, separate_weights, wreport,
+                             report)
     meta["timings"] = prog.times
     return meta
+
+
+#: models of older opsets that TVM cannot import are converted to this one and tried again
+RETRY_OPSET = 13
+
+
+def _import(model: onnx.ModelProto, params_as_inputs: bool):
+    """(relax module, the ONNX model it came from).  TVM's converters for old
+    operator versions are the least tested (e.g. attribute-form Slice-1): a
+    model below opset 13 that fails is upgraded with onnx's version converter
+    and imported once more; the first error stands if that fails too."""
+    from tvm.relax.frontend.onnx import from_onnx
+
+    try:
+        with _quiet_stderr(), node_errors(model):
+            return from_onnx(model, keep_params_in_input=params_as_inputs), model
+    except CompileError as first:
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), RETRY_OPSET)
+        if opset >= RETRY_OPSET or first.operators and not first.node and "unsupported" in str(first):
+            raise
+        try:
+            from onnx import version_converter
+
+            newer = version_converter.convert_version(model, RETRY_OPSET)
+        except Exception:  # noqa: BLE001 - the converter cannot help: the first error stands
+            raise first from None
+        try:
+            with _quiet_stderr(), node_errors(newer):
+                return from_onnx(newer, keep_params_in_input=params_as_inputs), newer
+        except CompileError:
+            raise first from None
+
+
+def _metadata(outdir, sig, io_meta, target_dict, tvm_version, separate, wreport, report) -> dict:
+    meta = write_metadata(outdir / METADATA_FILE, sig, io_meta, target=target_dict, tvm_version=tvm_version,
+                          weights_file=WEIGHTS_FILE if separate else None,
+                          extra={"cpu_features": sig.cpu_features, "weights_precision": wreport,
+                                 "verify": report})
+    return meta
+
+
+def _missing_here(features: list[str]) -> list[str]:
+    """Features the target needs that this machine's CPU lacks (then the
+    module cannot be verified here)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    m = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    have = set(m.group(1).split()) if m else set(features)
+    return sorted(set(features) - have)
+
+
+def _one_line(e: Exception) -> str:
+    from dspx.compiler.checks import _first_line
+
+    return _first_line(e)

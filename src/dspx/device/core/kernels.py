@@ -308,8 +308,27 @@ def _conv_numpy(x, w, b, strides, pads, dil, groups):
     return y
 
 
-def _conv2d_impl(x_t, w_t, b_t, r_t, strides, padding, dilation, groups, layout, act, out_t):
-    x, w, out = _np(x_t), _np(w_t), _np(out_t)
+def _restore(w: np.ndarray, scale: np.ndarray | None, axis: int) -> np.ndarray:
+    """A reduced-precision weight as float32 (dspx compile --weights): float16
+    cast, or int8 times its per-channel scale along ``axis``.  Done once per
+    weight and cached beside the prepacked weights (the stored weight lives as
+    long as its module, so its address is a stable key)."""
+    if w.dtype == np.float32 and scale is None:
+        return w
+
+    def make():
+        f = w.astype(np.float32)
+        if scale is not None:
+            shape = [1] * f.ndim
+            shape[axis] = -1
+            f *= scale.reshape(shape)
+        return f
+    return _cached(w, ("restore", axis), make)
+
+
+def _conv2d_impl(x_t, w_t, b_t, r_t, strides, padding, dilation, groups, layout, act, out_t, s_t=None):
+    x, out = _np(x_t), _np(out_t)
+    w = _restore(_np(w_t), _np(s_t) if s_t is not None else None, 0)
     b = _np(b_t) if b_t is not None else None
     res = _np(r_t) if r_t is not None else None
     strides, pads, dil = _ints(strides), _ints(padding), _ints(dilation)
@@ -539,6 +558,18 @@ def conv2d_add(data, weight, bias, residual, strides, padding, dilation, groups,
     _conv2d_impl(data, weight, bias, residual, strides, padding, dilation, groups, layout, act, out)
 
 
+@_kernel("conv2d_qw", "as conv2d, int8 weight restored once")
+def conv2d_qw(data, weight, bias, wscale, strides, padding, dilation, groups, layout, act, out):
+    """conv2d with an int8 weight (O, C/groups, KH, KW) and its per-output-channel scales (O,)."""
+    _conv2d_impl(data, weight, bias, None, strides, padding, dilation, groups, layout, act, out, wscale)
+
+
+@_kernel("conv2d_add_qw", "as conv2d_add, int8 weight restored once")
+def conv2d_add_qw(data, weight, bias, residual, wscale, strides, padding, dilation, groups, layout, act, out):
+    """conv2d_add with an int8 weight and its per-output-channel scales (O,)."""
+    _conv2d_impl(data, weight, bias, residual, strides, padding, dilation, groups, layout, act, out, wscale)
+
+
 # ---------------------------------------------------------------- pooling
 
 def _pool_out(size, k, s, p0, p1, d, ceil):
@@ -706,8 +737,19 @@ def dense(data, weight, bias, trans_b, act, out):
     Linear/Gemm transB=1) or (K, N) when trans_b=0; bias (N,) (pass zeros
     for none); out (..., N).
     """
-    x, w, b, o = _np(data), _np(weight), _np(bias), _np(out)
+    _dense(data, weight, bias, None, trans_b, act, out)
+
+
+@_kernel("dense_qw", "as dense, int8 weight restored once")
+def dense_qw(data, weight, bias, wscale, trans_b, act, out):
+    """dense with an int8 weight and its per-output scales (N,): W = q * wscale along N."""
+    _dense(data, weight, bias, wscale, trans_b, act, out)
+
+
+def _dense(data, weight, bias, wscale, trans_b, act, out):
+    x, b, o = _np(data), _np(bias), _np(out)
     tb, act = int(trans_b), int(act)
+    w = _restore(_np(weight), _np(wscale) if wscale is not None else None, 0 if tb else 1)
     wm = w.T if tb else w
     if x.shape[-1] != wm.shape[0]:
         raise KernelError(f"dense: data {x.shape} does not match weight {w.shape} "
