@@ -32,6 +32,7 @@ ENV = "DSPX_TRACE"
 clock = time.perf_counter_ns  # CLOCK_MONOTONIC on Linux: system-wide
 
 _rec: "Recorder | None" = None
+_since = 0.0  # µs: the host keeps events from when it started tracing
 
 
 def recorder() -> "Recorder | None":
@@ -105,11 +106,11 @@ def _wrap(cls, attr: str, name, cat: str, top: bool = False, args=None) -> None:
     setattr(cls, attr, traced)
 
 
-def _start(path, process: str, sort_index: int) -> "Recorder":
+def _start(path, process: str, sort_index: int, thread: str) -> "Recorder":
     global _rec
     if _rec is None:
         _rec = Recorder(path, process, sort_index)
-        _rec.name_thread("main")
+        _rec.name_thread(thread)
         atexit.register(_rec.flush)
     return _rec
 
@@ -117,21 +118,33 @@ def _start(path, process: str, sort_index: int) -> "Recorder":
 # ------------------------------------------------------------------ host
 
 def start_host(path, process: str = "host") -> Recorder:
-    """Trace this host program into ``path``: start afresh (old parts are
-    removed), tell devices it starts (the environment), wrap the client's
-    legs, and merge everything at exit."""
+    """Trace this host program into ``path``: tell devices it starts (the
+    environment), wrap the client's legs, and merge at exit what every
+    process recorded from now on (parts of processes that are gone are
+    removed first: they are an older run's)."""
+    global _since
     path = Path(path).resolve()
     os.environ[ENV] = str(path)
     if _rec is None:
+        _since = clock() / 1000
         parts = parts_dir(path)
-        if parts.is_dir():
-            for f in parts.glob("*.jsonl"):
+        for f in parts.glob("*.jsonl") if parts.is_dir() else ():
+            if not _alive(f.stem):
                 f.unlink()
-    rec = _start(path, process, 0)
-    rec.name_thread("host client")
+    rec = _start(path, process, 0, "host client")
     _install_host()
     atexit.register(finish)
     return rec
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def host_from_env() -> None:
@@ -143,7 +156,7 @@ def host_from_env() -> None:
 
 def _install_host() -> None:
     from . import memory
-    from .host import client, session, vm
+    from .host import client, session, tasks, vm
 
     C = client.Client
     _wrap(C, "infer", "infer", "host", top=True)
@@ -151,7 +164,9 @@ def _install_host() -> None:
     _wrap(C, "load_module", "load module", "host", top=True)
     _wrap(C, "load_weights", "load weights", "host", top=True)
     _wrap(C, "_send_bytes", "send", "host")
-    _wrap(C, "wait", "wait", "host")
+    _wrap(C, "wait", "wait", "host", args=lambda self, seq, *a, **k: {"seq": seq})
+    _wrap(tasks.Tasks, "submit", "submit task", "host", top=True)
+    _wrap(tasks.Tasks, "wait", "wait task", "host", top=True)
     _wrap(session.Session, "start_bytes", "encode", "host")
     _wrap(session.IoCapacity, "plan_infer", "encode (layout)", "host")
     # copy-in: between the input buffer's begin and end of CPU access for writing
@@ -191,16 +206,19 @@ def _install_host() -> None:
     vm.VirtualMachine.__getitem__ = getitem
 
 
-def merge(path) -> dict:
-    """Every part of the trace at ``path`` as one Chrome trace-event object."""
+def merge(path, since: float = 0.0) -> dict:
+    """Every part of the trace at ``path`` (events from ``since`` µs on) as
+    one Chrome trace-event object."""
     events = []
     for f in sorted(parts_dir(path).glob("*.jsonl")):
         for line in f.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 try:
-                    events.append(json.loads(line))
+                    e = json.loads(line)
                 except ValueError:
-                    pass  # a line cut short by a killed process
+                    continue  # a line cut short by a killed process
+                if e.get("ph") == "M" or e.get("ts", 0) >= since:
+                    events.append(e)
     events.sort(key=lambda e: (e.get("ph") != "M", e.get("ts", 0)))
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"clock": "CLOCK_MONOTONIC (time.perf_counter_ns), microseconds", "producer": "dspx"}}
@@ -211,7 +229,7 @@ def finish() -> Path | None:
     if _rec is None:
         return None
     _rec.flush()
-    data = merge(_rec.path)
+    data = merge(_rec.path, _since)
     tmp = _rec.path.with_name(_rec.path.name + ".tmp")
     tmp.write_text(json.dumps(data), encoding="utf-8")
     tmp.replace(_rec.path)
@@ -227,7 +245,7 @@ def install_front() -> None:
         return
     from .device.front import handlers, loop
 
-    _start(path, "device front", 1).name_thread("front loop")
+    _start(path, "device front", 1, "front loop")
     S = loop.Service
     _wrap(S, "_on_conn", "receive", "front", top=True)
     _wrap(S, "_on_core", "core message", "front", top=True)
@@ -245,13 +263,14 @@ def install_core(index: int) -> None:
     path = os.environ.get(ENV)
     if not path:
         return
-    from .device.core import runtime, worker
+    from .device.core import rpc, runtime, worker
 
-    _start(path, f"device core {index}", 2 + index).name_thread(f"core {index}")
+    _start(path, f"device core {index}", 2 + index, f"core {index}")
     W = worker.CoreWorker
     _wrap(W, "call", lambda self, rec: "call job", "core", top=True,
           args=lambda self, rec: {"job": rec.job, "seq": rec.seq})
     _wrap(W, "handle", lambda self, rec: f"job {type(rec).__name__}", "core", top=True)
+    _wrap(rpc.Prepared, "run", lambda self, ops: f"op 0x{self.spec.cmd:04x}", "core")
     D = runtime.DmaEngine
     copy = D._do_copy
 
