@@ -75,9 +75,14 @@ def _stats(res) -> str:
 @click.option("--raw", is_flag=True, help="do not apply the chat template")
 @common
 @click.option("--json", "as_json", is_flag=True, help="one JSON line instead of streamed text")
+@click.option("--trace", "trace_path", default=None, metavar="OUT.json",
+              help="write a Chrome trace of host and device, written at exit (docs/profiling.md)")
 def generate(prompt, max_tokens, raw, model_dir, gguf, temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n,
-             stop, max_time, context, kv_dtype, non_resident, socket, as_json):
+             stop, max_time, context, kv_dtype, non_resident, socket, as_json, trace_path):
     """Answer PROMPT with the language model on the device, streaming the text."""
+    if trace_path:
+        from .. import trace
+        trace.start_host(trace_path)  # before the device starts: a private one inherits DSPX_TRACE
     from ..llm import LLMError
     from ..errors import DspxError
     from .llm import Generator
