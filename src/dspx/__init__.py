@@ -5,6 +5,8 @@
         print(dev.ping())
     vm = dspx.VirtualMachine("build/resnet18")   # a module compiled by `dspx compile`
     out = vm["main"](x)
+    sess = dspx.InferenceSession("model.onnx")   # onnxruntime's calls; compiled on first use
+    y, = sess.run(None, {"x": x})
 """
 from .errors import DeviceError, DspxError  # noqa: F401
 from .abi.protocol import VERSION  # noqa: F401
@@ -20,6 +22,9 @@ def __getattr__(name):
     if name == "VirtualMachine":
         from .host.vm import VirtualMachine
         return VirtualMachine
+    if name in ("InferenceSession", "NodeArg"):
+        from .host import onnxrt
+        return getattr(onnxrt, name)
     if name == "tasks":
         from .host import tasks
         return tasks

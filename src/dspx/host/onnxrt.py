@@ -1,0 +1,137 @@
+"""``InferenceSession``: onnxruntime's calls on the device.
+
+    sess = dspx.InferenceSession("model.onnx")     # compiled on first use, cached
+    [i.name for i in sess.get_inputs()]            # NodeArg: name, shape, type
+    y, = sess.run(None, {"x": x})                  # or run(["y"], feeds)
+
+An ``.onnx`` file is compiled (``dspx compile``) into a directory keyed by
+its content and the compiler's, under ``$XDG_CACHE_HOME/dspx/sessions``
+(``~/.cache/dspx/sessions``); a later session on the same model loads it from
+there.  A directory from ``dspx compile`` is loaded as it is.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import DspxError, InputError
+
+# numpy dtype name -> onnxruntime's type string
+ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "float64": "tensor(double)",
+             "bfloat16": "tensor(bfloat16)", "int8": "tensor(int8)", "int16": "tensor(int16)",
+             "int32": "tensor(int32)", "int64": "tensor(int64)", "uint8": "tensor(uint8)",
+             "uint16": "tensor(uint16)", "uint32": "tensor(uint32)", "uint64": "tensor(uint64)",
+             "bool": "tensor(bool)"}
+
+
+@dataclass(frozen=True)
+class NodeArg:
+    """Like ``onnxruntime.NodeArg``."""
+    name: str
+    shape: list
+    type: str
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dspx" / "sessions"
+
+
+def compiler_digest() -> str:
+    """What a compiled module depends on besides the model: TVM and the compiler's sources."""
+    import tvm
+
+    import dspx.compiler
+
+    h = hashlib.sha256(tvm.__version__.encode())
+    compiler = Path(dspx.compiler.__file__).parent
+    for f in [*sorted(compiler.glob("*.py")), *sorted((compiler.parent / "abi").glob("*.py"))]:
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def compiled_dir(onnx_path, cache_dir=None, progress: bool = True, **compile_options) -> tuple[Path, bool]:
+    """(module directory, whether it was compiled now) for an ONNX file;
+    ``compile_options`` go to ``compile_onnx`` (and into the cache key)."""
+    from ..compiler.onnx import compile_onnx
+
+    data = Path(onnx_path).read_bytes()
+    options = repr(sorted(compile_options.items())).encode()
+    key = hashlib.sha256(data + compiler_digest().encode() + options).hexdigest()[:24]
+    root = Path(cache_dir) if cache_dir else cache_root()
+    out = root / key
+    if (out / "metadata.json").is_file():
+        return out, False
+    root.mkdir(parents=True, exist_ok=True)
+    if progress:
+        print(f"dspx: compiling {onnx_path} for the device (once; cached in {out})", file=sys.stderr, flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+    try:
+        compile_onnx(onnx_path, tmp, progress=progress, **compile_options)
+        try:
+            tmp.rename(out)  # atomic: a concurrent session sees all of it or none
+        except OSError:
+            if not (out / "metadata.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out, True
+
+
+class InferenceSession:
+    def __init__(self, path_or_dir, sess_options=None, providers=None, *, socket: str | None = None,
+                 client=None, cache_dir=None, progress: bool = True, compile_options: dict | None = None,
+                 **_ort_options):
+        from .vm import VirtualMachine
+
+        p = Path(path_or_dir)
+        if not p.exists():
+            raise DspxError(f"{p}: no such model file or module directory")
+        if p.is_dir():
+            self.module_dir, self.compiled_now = p, False
+        else:
+            self.module_dir, self.compiled_now = compiled_dir(p, cache_dir, progress, **(compile_options or {}))
+        self._vm = VirtualMachine(self.module_dir, client, socket=socket)
+        meta = self._vm.metadata
+        self._inputs = [NodeArg(t["name"], list(t["shape"]), ORT_TYPES.get(t["dtype"], t["dtype"]))
+                        for t in meta.get("inputs", [])]
+        self._outputs = [NodeArg(t["name"], list(t["shape"]), ORT_TYPES.get(t["dtype"], t["dtype"]))
+                         for t in meta.get("outputs", [])]
+
+    def get_inputs(self) -> list[NodeArg]:
+        return list(self._inputs)
+
+    def get_outputs(self) -> list[NodeArg]:
+        return list(self._outputs)
+
+    def get_providers(self) -> list[str]:
+        return ["DSPExecutionProvider"]
+
+    def run(self, output_names, input_feed: dict, run_options=None) -> list:
+        """Outputs named by ``output_names`` (None: all), in that order, as numpy arrays."""
+        names = [o.name for o in self._outputs]
+        want = names if output_names is None else list(output_names)
+        unknown = [n for n in want if n not in names]
+        if unknown:
+            raise InputError(f"no output named {', '.join(map(repr, unknown))} (outputs: {', '.join(names)})",
+                             unknown[0], names, unknown)
+        outs = self._vm[self._vm.entry](**input_feed)
+        outs = outs if isinstance(outs, list) else [outs]
+        by_name = dict(zip(names, outs))
+        return [by_name[n] for n in want]
+
+    def close(self) -> None:
+        self._vm.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+__all__ = ["InferenceSession", "NodeArg"]
