@@ -49,6 +49,13 @@ class TensorError(CoreError):
     status = Status.ERR_TENSOR
 
 
+class HandleError(CoreError):
+    """A module or weights this core does not hold (ERR_HANDLE): it could not
+    be loaded again after a restart."""
+
+    status = Status.ERR_HANDLE
+
+
 class CallError(CoreError):
     """The module's entry raised while running (ERR_CALL)."""
 

@@ -55,3 +55,25 @@ def check_imports(undefined_names: Iterable[str]) -> str | None:
         if not is_exported(name):
             return name
     return None
+
+
+#: The only shared libraries a module (or a native op library) may name in
+#: DT_NEEDED: the system's C runtime.  Anything else would run its own
+#: constructors, and import whatever it likes, before any check of ours.
+ALLOWED_NEEDED: frozenset[str] = frozenset({"libc.so.6", "libm.so.6", "libgcc_s.so.1", "libstdc++.so.6"})
+
+
+def check_libraries(tags, what: str) -> None:
+    """Refuse DT_NEEDED outside ALLOWED_NEEDED (SymbolError, naming it) and
+    any DT_RPATH / DT_RUNPATH (LoadError): an allowed name looked up in a
+    directory of the module's choosing is its own library again.
+    ``tags``: (d_tag, needed name or None) of the ELF's dynamic section."""
+    from .errors import LoadError, SymbolError
+
+    for tag, needed in tags:
+        if tag in ("DT_RPATH", "DT_RUNPATH"):
+            raise LoadError(f"{what} sets {tag[3:]}; libraries are looked up only where the device's are "
+                            f"(drop -rpath)")
+        if tag == "DT_NEEDED" and needed not in ALLOWED_NEEDED:
+            raise SymbolError(needed, f"{what} needs {needed!r}; it may link only "
+                                      f"{', '.join(sorted(ALLOWED_NEEDED))}")

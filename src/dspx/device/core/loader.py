@@ -24,7 +24,7 @@ from tvm import relax
 
 from dspx.abi import modformat as fmt
 from dspx.device.core.errors import CallError, LoadError, NoMemError, SymbolError, TensorError, WeightsError
-from dspx.device.core.exports import check_imports
+from dspx.device.core.exports import check_imports, check_libraries
 from dspx.abi.protocol import IoMeta
 
 # A TVM-exported library carries its module tree (the Relax VM executable and
@@ -90,6 +90,8 @@ def _inspect(stream, buf: memoryview, kernel_names) -> ElfInfo:
         machine, etype = elf["e_machine"], elf["e_type"]
         segments = [(seg["p_flags"], seg["p_memsz"]) for seg in elf.iter_segments("PT_LOAD")]
         dynsym = elf.get_section_by_name(".dynsym")
+        dyn = elf.get_section_by_name(".dynamic")
+        tags = [(t.entry.d_tag, getattr(t, "needed", None)) for t in dyn.iter_tags()] if dyn is not None else []
         symbols, undefined = {}, []
         for sym in dynsym.iter_symbols() if dynsym is not None else ():
             if sym.name and sym["st_shndx"] == "SHN_UNDEF":
@@ -107,6 +109,7 @@ def _inspect(stream, buf: memoryview, kernel_names) -> ElfInfo:
     bad = check_imports(undefined)
     if bad is not None:
         raise SymbolError(bad, f"module imports {bad!r}, which the firmware does not export")
+    check_libraries(tags, "module")
     if ENTRY_SYMBOL not in symbols:
         raise SymbolError(ENTRY_SYMBOL, f"no TVM module entry: symbol {ENTRY_SYMBOL!r} is missing "
                                         "(not a library exported by TVM)")

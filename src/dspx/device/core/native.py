@@ -140,6 +140,8 @@ def check(data: bytes, filename: str = "<oplib>") -> dict[int, set[str]]:
                 defined.add(sym.name)
         dyn = elf.get_section_by_name(".dynamic")
         needed = [t.needed for t in dyn.iter_tags("DT_NEEDED")] if dyn is not None else []
+        paths = [t.entry.d_tag for t in dyn.iter_tags() if t.entry.d_tag in ("DT_RPATH", "DT_RUNPATH")] \
+            if dyn is not None else []
         functions = _functions(elf)
         if machine == "EM_X86_64" and etype == "ET_DYN" and not interp:
             _check_init(elf, filename, functions)
@@ -163,6 +165,9 @@ def check(data: bytes, filename: str = "<oplib>") -> dict[int, set[str]]:
         if lib not in ALLOWED_NEEDED:
             raise OpSymbolError(lib, f"{filename}: needs {lib!r}; op libraries may link only "
                                      f"{', '.join(sorted(ALLOWED_NEEDED))}")
+    if paths:
+        raise OpLoadError(f"{filename}: sets {paths[0][3:]}; libraries are looked up only where the device's are "
+                          "(drop -rpath)")
     if INIT_SYMBOL not in defined:
         raise OpSymbolError(INIT_SYMBOL, f"{filename}: no exported {INIT_SYMBOL}() (declare it extern \"C\" "
                                          "and register the ops there)")

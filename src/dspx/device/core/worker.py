@@ -229,8 +229,13 @@ class CoreWorker:
                 raise RuntimeError(f"plan {rec.plan} is unknown on core {self.index}")
             if isinstance(spec, jobs.InferSpec):
                 from . import inference
-                weights = self.models[spec.model_id] if spec.model_id else None
-                plan = inference.Prepared(spec, self.modules[spec.handle], weights, self.bufs)
+                from .errors import HandleError
+                mod = self.modules.get(spec.handle)
+                weights = self.models.get(spec.model_id) if spec.model_id else None
+                if mod is None or (spec.model_id and weights is None):
+                    raise HandleError(f"module {spec.handle} (model {spec.model_id}) is not loaded on core "
+                                      f"{self.index}: it could not be loaded again after the core restarted")
+                plan = inference.Prepared(spec, mod, weights, self.bufs)
             else:
                 from . import rpc
                 plan = rpc.Prepared(spec, self.bufs)

@@ -316,7 +316,7 @@ class Handlers:
                                                   f"{ddr.size} free", oom_requested=need, oom_free=ddr.free,
                                      oom_total=ddr.size))
             self.st.modules[handle] = ModuleRec(handle, conn.cid, core, self._generation(core), "module", need,
-                                                v.signature)
+                                                v.signature, self.st.keep_image(st, req.elf_size))
             conn.modules.add(handle)
             ni, no, ib, ob, fl = v.io_meta or (0, 0, 0, 0, 0)
             return self.invalidate(conn) + [Respond(P.DynLoadResp(
@@ -365,7 +365,7 @@ class Handlers:
                                                   f"of {ddr.size} free", oom_requested=v.nbytes, oom_free=ddr.free,
                                      oom_total=ddr.size))
             self.st.models[model_id] = ModelRec(model_id, conn.cid, core, self._generation(core), v.nbytes,
-                                                v.num_constants)
+                                                v.num_constants, self.st.keep_image(st, req.weights_size))
             conn.models.add(model_id)
             return self.invalidate(conn) + [Respond(P.ModelLoadResp(seq=req.seq, model_id=model_id,
                                                                     num_constants=v.num_constants))]
@@ -380,6 +380,34 @@ class Handlers:
         self.st.drop_model(rec)
         return self.invalidate(conn) + self._answer_after_core(
             conn, req, rec, jobs.UnloadWeights(model_id=rec.model_id), P.ModelUnloadResp(seq=req.seq))
+
+    # ------------------------------------------------------------ after a core restart
+    RELOAD_PRIORITY = 1 << 10  # before any request (priorities are 0..255)
+
+    def reload(self, rec) -> list:
+        """Load a module or weights again on its restarted core, from the
+        front's copy, under the same handle: its owner never sees the restart.
+        Jobs for that core queued meanwhile run after it."""
+        image = rec.image
+        is_module = isinstance(rec, ModuleRec)
+        rec.generation = None  # not on a core until the reload ends
+        job = (jobs.LoadModule(handle=rec.handle, buf=image.buf_id, size=image.region.size, ddr_free=1 << 62)
+               if is_module else jobs.LoadWeights(model_id=rec.model_id, buf=image.buf_id, size=image.region.size))
+
+        def done(res: jobs.Done) -> list:
+            table = self.st.modules if is_module else self.st.models
+            key = rec.handle if is_module else rec.model_id
+            forget = [Forget(bufs=[image.buf_id])]
+            if table.get(key) is not rec:  # unloaded (or its connection closed) meanwhile
+                undo = jobs.UnloadModule(handle=key) if is_module else jobs.UnloadWeights(model_id=key)
+                return forget + ([Notify(rec.core, undo)] if res.status == S.SUCCESS else [])
+            if res.status != S.SUCCESS:  # it cannot come back: from now on its handle says so
+                (self.st.drop_module if is_module else self.st.drop_model)(rec)
+                return forget
+            rec.generation = self.cores.generation(rec.core)
+            return forget
+
+        return [Submit(FrontJob(job, None, None, rec.core, [image], done, priority=self.RELOAD_PRIORITY))]
 
     def unload_model(self, rec: ModelRec) -> list:
         self.st.drop_model(rec)

@@ -228,18 +228,25 @@ class Service:
             else:
                 self._fail(job, S.ERR_CALL, f"core {c.index} crashed while running this job (exit status "
                                             f"{code}); it was restarted")
-        # Handles on that core die with it: later use is ERR_HANDLE, not misuse.
-        touched = set()
-        for rec in [r for r in self.st.modules.values() if r.core == c.index and r.kind == "module"]:
-            self.st.drop_module(rec)
+        # Modules and weights on that core are loaded again from the front's
+        # copies before anything else runs there, under the same handles; one
+        # without a copy dies with the core (later use is ERR_HANDLE).
+        touched, reloads = set(), []
+        lost = [r for r in self.st.modules.values() if r.core == c.index and r.kind == "module"]
+        lost += [r for r in self.st.models.values() if r.core == c.index]
+        for rec in lost:
             touched.add(rec.cid)
-        for rec in [r for r in self.st.models.values() if r.core == c.index]:
-            self.st.drop_model(rec)
-            touched.add(rec.cid)
+            if rec.image is not None:
+                reloads += self.handlers.reload(rec)
+            elif hasattr(rec, "handle"):
+                self.st.drop_module(rec)
+            else:
+                self.st.drop_model(rec)
         for cid in touched:
             conn = self.st.conns.get(cid)
             if conn is not None:
                 self._apply(conn, self.handlers.invalidate(conn))
+        self._apply(None, reloads)
         if started:
             self._restart(c, time.monotonic())
         else:  # it died before it said hello: do not restart it in a loop
@@ -361,7 +368,8 @@ class Service:
 
     # ================================================================ jobs
     def submit(self, job: FrontJob) -> None:
-        if len(self.pending) >= MAX_PENDING:
+        # The device's own jobs (unloads, reloads after a restart) always queue.
+        if job.conn is not None and len(self.pending) >= MAX_PENDING:
             raise Reject(S.ERR_BUSY, f"device queue is full ({MAX_PENDING} jobs)")
         conn = job.conn
         if conn is not None:

@@ -3,6 +3,7 @@ op table and the device-wide accounting.  Pure state, no sockets."""
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -128,6 +129,7 @@ class ModuleRec:
     kind: str  # "module" | "oplib"
     ddr_bytes: int = 0
     signature: dict | None = None
+    image: "Buffer | None" = None  # the front's copy of its bytes, to load it again after a core restart
 
 
 @dataclass
@@ -138,6 +140,7 @@ class ModelRec:
     generation: int
     ddr_bytes: int
     num_constants: int
+    image: "Buffer | None" = None
 
 
 class DeviceState:
@@ -156,6 +159,10 @@ class DeviceState:
         self.op_sources: dict[int, tuple[bytes, str]] = {}  # lib handle -> (source, filename)
         self.limits = Limits(conn_bytes=carveout_size)
         self.nbufs = 0  # buffers attached, all connections
+        # Copies of loaded modules and weights (memfds), so that a core restart
+        # costs no one else their state; at most the DDR pool's size of them.
+        self.kept_bytes = 0
+        self.keep_limit = ddr_pool_size
         self._ids = itertools.count(1)
 
     def new_id(self) -> int:
@@ -170,7 +177,33 @@ class DeviceState:
             raise Reject(S.ERR_HANDLE, f"unknown module handle {handle}")
         return rec
 
+    def keep_image(self, src: "Buffer", size: int) -> "Buffer | None":
+        """A private copy of the first ``size`` bytes of ``src`` (None past the budget)."""
+        if self.kept_bytes + size > self.keep_limit:
+            return None
+        fd = os.memfd_create("dspx-kept", os.MFD_CLOEXEC)
+        try:
+            done = 0
+            while done < size:
+                n = os.copy_file_range(src.fd, fd, size - done, done, done)
+                if n <= 0:
+                    raise OSError("short copy")
+                done += n
+        except OSError:
+            os.close(fd)
+            return None
+        self.kept_bytes += size
+        buf_id = self.new_id()
+        return Buffer(buf_id, fd, Region(buf_id, 0, size, None, "kept"))
+
+    def drop_image(self, rec) -> None:
+        if rec.image is not None:
+            os.close(rec.image.fd)
+            self.kept_bytes -= rec.image.region.size
+            rec.image = None
+
     def drop_module(self, rec: ModuleRec) -> None:
+        self.drop_image(rec)
         self.modules.pop(rec.handle, None)
         conn = self.conns.get(rec.cid)
         if conn:
@@ -179,6 +212,7 @@ class DeviceState:
         self._maybe_reset_pool()
 
     def drop_model(self, rec: ModelRec) -> None:
+        self.drop_image(rec)
         self.models.pop(rec.model_id, None)
         conn = self.conns.get(rec.cid)
         if conn:
