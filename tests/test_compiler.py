@@ -181,3 +181,141 @@ def test_cli_compile(example_onnx, tmp_path):
     r = CliRunner().invoke(compile_cmd, [str(example_onnx["multi_output"]), "-o", str(tmp_path / "h"),
                                          "--no-kernels"])
     assert r.exit_code == 0 and "outputs   relu float32[2, 24]" in r.stdout
+
+
+# ---------------------------------------------------------------- verification, errors, shapes, target
+
+def _save(tmp_path, nodes, inputs, outputs, inits=(), name="m.onnx", opset=17):
+    g = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    path = tmp_path / name
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]), path)
+    return path
+
+
+def _relu_conv(tmp_path):
+    rng = np.random.default_rng(0)
+    w = onnx.numpy_helper.from_array(rng.standard_normal((16, 3, 3, 3)).astype(np.float32), "w")
+    return _save(tmp_path, [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                            helper.make_node("Relu", ["c"], ["y"])],
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8, 8])], [w])
+
+
+def test_verification_passes_and_is_recorded(tmp_path):
+    meta = compile_onnx(_relu_conv(tmp_path), tmp_path / "out", progress=False)
+    v = meta["verify"]
+    assert v["reference"] == "onnxruntime" and v["max_abs_error"]["y"] <= 1e-4
+    assert json.loads((tmp_path / "out" / "metadata.json").read_text())["verify"] == v
+
+
+def test_verification_catches_a_wrong_module(tmp_path, monkeypatch):
+    # A compiler bug: the rewrite drops the ReLU after the convolution (act code 0).
+    # The module then runs on the device, and only the reference can tell.
+    from dspx.compiler import kernel_rewrite
+
+    real = kernel_rewrite._Matcher.plan_conv
+
+    def no_relu(self, var):
+        p = real(self, var)
+        if p is not None:
+            p.args[-1] = kernel_rewrite._i(kernel_rewrite.ACT_NONE)
+        return p
+
+    monkeypatch.setattr(kernel_rewrite._Matcher, "plan_conv", no_relu)
+    with pytest.raises(CompileError, match=r"verification failed: output 'y' differs from onnxruntime"):
+        compile_onnx(_relu_conv(tmp_path), tmp_path / "out", kernels=True, progress=False)
+    # --no-verify keeps the (wrong) module
+    meta = compile_onnx(_relu_conv(tmp_path), tmp_path / "out2", kernels=True, progress=False, verify=False)
+    assert meta["verify"] is None
+
+
+def test_tvm_reference_when_onnxruntime_cannot_run(tmp_path):
+    # PyTorch-style per-channel PReLU (slope (C,) on NCHW): strict ONNX broadcasting
+    # refuses it, onnxruntime too; dspx compiles it per channel and verifies
+    # against TVM's own unoptimized build.
+    slope = np.array([0.1, 0.5, 2.0], np.float32)
+    path = _save(tmp_path, [helper.make_node("PRelu", ["x", "s"], ["y"], name="act")],
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 5])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 5])],
+                 [onnx.numpy_helper.from_array(slope, "s")])
+    meta = compile_onnx(path, tmp_path / "out", progress=False)
+    assert meta["verify"]["reference"] == "tvm-unoptimized"
+    from dspx.compiler.verify import Verifier, random_inputs
+
+    x = random_inputs(meta["inputs"], seed=3)[0]
+    with Verifier() as v:
+        y = v.run(tmp_path / "out", [x])[0]
+    want = np.where(x < 0, x * slope.reshape(1, 3, 1, 1), x)
+    np.testing.assert_allclose(y, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: ([helper.make_node("Relu", ["x"], ["y"])],
+              [helper.make_tensor_value_info("x", TensorProto.STRING, [2])],
+              [helper.make_tensor_value_info("y", TensorProto.STRING, [2])]),
+     "graph input 'x' is a string tensor: the device has no strings"),
+    (lambda: ([helper.make_node("Gradient", ["x"], ["g"], name="grad", domain="ai.onnx.preview.training",
+                                xs=["x"], y="x")],
+              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+              [helper.make_tensor_value_info("g", TensorProto.FLOAT, [2])]),
+     "node 'grad' (Gradient) is a training operator"),
+    (lambda: ([helper.make_node("SequenceConstruct", ["x"], ["s"], name="seq")],
+              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+              [helper.make_tensor_sequence_value_info("s", TensorProto.FLOAT, [2])]),
+     "graph output 's' is a sequence, not a tensor"),
+    (lambda: ([helper.make_node("Expand", ["x", "shape"], ["y"], name="grow")],
+              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 1]),
+               helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]),
+     "node 'grow' (Expand): TVM cannot convert it"),
+])
+def test_failures_are_one_line_naming_the_cause(tmp_path, build, message):
+    nodes, ins, outs = build()
+    path = _save(tmp_path, nodes, ins, outs)
+    with pytest.raises(CompileError) as e:
+        compile_onnx(path, tmp_path / "out", progress=False)
+    text = str(e.value)
+    assert message in text and "\n" not in text, text
+
+
+def test_shape_and_dim_options(tmp_path):
+    from dspx.compiler.cli_compile import compile_cmd
+
+    path = _save(tmp_path, [helper.make_node("MatMul", ["a", "b"], ["y"])],
+                 [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", 4]),
+                  helper.make_tensor_value_info("b", TensorProto.FLOAT, [4, "M"])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "M"])])
+    with pytest.raises(CompileError, match=r"input 'a' has a dynamic shape \[N,4\].*--dim N=VALUE"):
+        compile_onnx(path, tmp_path / "o0", progress=False)
+    r = CliRunner().invoke(compile_cmd, [str(path), "-o", str(tmp_path / "o1"), "--dim", "N=3",
+                                         "--shape", "b=4,5", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["inputs"][0]["shape"] == [3, 4] and out["outputs"] == [
+        {"name": "y", "shape": [3, 5], "dtype": "float32", "nbytes": 60}]
+    r = CliRunner().invoke(compile_cmd, [str(path), "-o", str(tmp_path / "o2"), "--dim", "Q=3", "--json"])
+    assert r.exit_code == 1 and "--dim names Q, not a symbolic dimension" in r.stdout
+    r = CliRunner().invoke(compile_cmd, [str(path), "-o", str(tmp_path / "o3"), "--shape", "a=3,5"])
+    assert r.exit_code == 1 and "dimension 1 is fixed at 4 in the model, not 5" in r.output
+
+
+def test_target_recorded_and_checked_by_the_loader(tmp_path, device, client_of):
+    from dspx.errors import ModuleLoadError
+
+    path = _relu_conv(tmp_path)
+    meta = compile_onnx(path, tmp_path / "v3", progress=False, target="x86-64-v3")
+    assert meta["target"]["mcpu"] == "x86-64-v3" and "avx2" in meta["cpu_features"]
+    assert "avx512f" not in meta["cpu_features"]
+    # A CPU with features this machine lacks: not verifiable here, refused by the loader.
+    from dspx.device.core.cpu import host_features
+
+    lacking = next((cpu, f) for cpu, f in (("sapphirerapids", "avx512_fp16"), ("znver4", "avx512_bf16"),
+                                           ("x86-64-v4", "avx512f")) if f not in host_features())
+    meta = compile_onnx(path, tmp_path / "foreign", progress=False, target=lacking[0])
+    assert meta["verify"]["skipped"].startswith("this machine lacks")
+    c = client_of(device.path, staging_size=8 << 20)
+    with pytest.raises(ModuleLoadError, match=rf"needs .*{lacking[1]}.*which this device's CPU lacks"):
+        c.load_module((tmp_path / "foreign" / "model.so").read_bytes())
+    c.load_module((tmp_path / "v3" / "model.so").read_bytes())  # the portable one loads
+    with pytest.raises(CompileError, match="unknown --target 'pentium9'"):
+        compile_onnx(path, tmp_path / "bad", progress=False, target="pentium9")

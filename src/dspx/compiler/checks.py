@@ -147,8 +147,9 @@ def apply_shapes(model: onnx.ModelProto, shapes: dict | None, dims: dict | None)
             continue
         for d in shape.dim:
             if d.dim_param in dims:
+                value = dims[d.dim_param]
                 d.Clear()
-                d.dim_value = dims[d.dim_param]
+                d.dim_value = value
                 if name not in changed:
                     changed.append(name)
         if not v.type.tensor_type.HasField("shape"):
@@ -225,11 +226,12 @@ def rewrite_prelu(model: onnx.ModelProto) -> int:
     return n
 
 
-@contextlib.contextmanager
-def node_errors(model: onnx.ModelProto):
-    """While TVM imports ``model``: an exception in an operator converter
-    becomes a CompileError naming the node; the importer's own prints
-    (inputs dumped to stdout) are swallowed."""
+def import_onnx(model: onnx.ModelProto, fn):
+    """``fn(model)`` (TVM's importer) with errors made actionable: an exception
+    in an operator converter becomes a CompileError naming the node; the
+    importer's own prints (inputs dumped to stdout) are swallowed."""
+    import gc
+
     from tvm.relax.frontend.onnx import onnx_frontend as fe
 
     by_op: dict[str, list] = {}
@@ -247,17 +249,19 @@ def node_errors(model: onnx.ModelProto):
         return real(self, op_name, inputs, attrs, opset)
 
     fe.ONNXGraphImporter._convert_operator = convert
+    err = None
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            yield current
+            return fn(model)
     except CompileError:
         raise
     except Exception as e:  # noqa: BLE001 - the frontend raises assorted types
         err = _import_error(e, model, current)
-        del e  # drop the importer's frames now (its BlockBuilder warns when destroyed)
-        raise err from None
+        e.__traceback__ = None  # drop the importer's frames (its BlockBuilder warns when destroyed)
     finally:
         fe.ONNXGraphImporter._convert_operator = real
+    gc.collect()
+    raise err
 
 
 def _import_error(e: Exception, model, current: dict) -> CompileError:

@@ -23,17 +23,37 @@ def _shape(t: dict) -> str:
               help="directory for model.so, metadata.json (and weights.bin)")
 @click.option("--separate-weights", is_flag=True, help="write the weights to weights.bin (sent with MODEL_LOAD)")
 @click.option("--no-kernels", is_flag=True, help="generate every operator with TVM; call no firmware kernels")
+@click.option("--target", default="native", show_default=True,
+              help="CPU to generate code for: native (this machine's CPU, recorded in the module), "
+                   "x86-64-v3 (portable: any AVX2 machine), x86-64-v4 (AVX-512), x86-64-v2, or an LLVM CPU "
+                   "name (znver4, icelake-server ...). The device refuses a module for a CPU it lacks.")
+@click.option("--weights", "weights", type=click.Choice(["float32", "float16", "int8"]), default="float32",
+              show_default=True,
+              help="store weights in reduced precision (implies --separate-weights): int8 = per-channel "
+                   "symmetric for conv/matmul weights, float16 elsewhere; float16 = float16 everywhere")
+@click.option("--shape", "shapes", multiple=True, metavar="NAME=D0,D1,...",
+              help="static shape of a dynamic input (repeatable)")
+@click.option("--dim", "dims", multiple=True, metavar="NAME=V",
+              help="value of a symbolic dimension of the inputs (repeatable)")
+@click.option("--no-verify", is_flag=True,
+              help="skip running the module on a device against onnxruntime (or TVM's unoptimized build)")
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
-def compile_cmd(model, outdir, separate_weights, no_kernels, as_json):
-    """Compile an ONNX MODEL into a module the device can DYN_LOAD."""
+def compile_cmd(model, outdir, separate_weights, no_kernels, target, weights, shapes, dims, no_verify, as_json):
+    """Compile an ONNX MODEL into a module the device can DYN_LOAD.
+
+    The compiled module is run once on a private device against a reference
+    before the command succeeds (--no-verify skips it)."""
+    from dspx.compiler.checks import parse_dims, parse_shapes
     from dspx.compiler.onnx import CompileError, compile_onnx
 
     try:
-        meta = compile_onnx(model, outdir, separate_weights=separate_weights, kernels=not no_kernels)
+        meta = compile_onnx(model, outdir, separate_weights=separate_weights, kernels=not no_kernels,
+                            target=target, verify=not no_verify, shapes=parse_shapes(shapes),
+                            dims=parse_dims(dims), weights=weights, progress=not as_json)
     except CompileError as e:
         if as_json:
             click.echo(json.dumps({"status": "error", "error": "CompileError", "message": str(e),
-                                   "operators": e.operators}))
+                                   "operators": e.operators, "node": e.node}))
         else:
             click.echo(f"error: {e}", err=True)
         sys.exit(1)
@@ -53,7 +73,27 @@ def compile_cmd(model, outdir, separate_weights, no_kernels, as_json):
     w = meta["weights"]
     lines.append(f"  weights   {w['mode']}" + (f" → {outdir / w['file']} ({w['count']} tensors)"
                                                if w["file"] else ""))
+    prec = meta.get("weights_precision") or {}
+    if prec.get("mode", "float32") != "float32":
+        lines.append(f"  precision {prec['mode']}: {prec['int8']} int8, {prec['float16']} float16 tensors, "
+                     f"{_size(prec['float32_bytes'])} -> {_size(prec['stored_bytes'])}")
+    lines.append(f"  target    {meta['target']['mcpu']} (needs {', '.join(meta.get('cpu_features', [])) or '-'})")
+    lines.append("  verified  " + _verified(meta.get("verify")))
     click.echo("\n".join(lines))
+
+
+def _verified(v) -> str:
+    if v is None:
+        return "no (--no-verify)"
+    if "skipped" in v:
+        return f"no: {v['skipped']}"
+    worst = max(v["max_abs_error"].values(), default=0.0)
+    text = f"against {v['reference']} on random inputs, max abs error {worst:.2g}"
+    e32 = v.get("error_vs_float32")
+    if e32 and "skipped" not in e32:
+        text += "; vs float32 weights: " + ", ".join(f"{k} {d['max_abs']:.2g} ({100 * d['rel']:.2g} %)"
+                                                    for k, d in e32.items())
+    return text
 
 
 compile = compile_cmd  # the name dspx.cli looks up  # noqa: A001

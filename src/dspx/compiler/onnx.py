@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from rich.console import Console
 
-from dspx.compiler.checks import CompileError, apply_shapes, node_errors, precheck, rewrite_prelu
+from dspx.compiler.checks import CompileError, apply_shapes, import_onnx, precheck, rewrite_prelu
 from dspx.compiler.module import (IO_META_NAME, METADATA_FILE, MODULE_FILE, SIGNATURE_NAME, WEIGHTS_FILE,
                                   Signature, TensorSpec, export_module, make_io_meta, write_metadata,
                                   write_weights)
@@ -201,10 +201,8 @@ def _quiet_stderr(enabled: bool = True):
         os.dup2(sink.fileno(), 2)
         try:
             yield
-        except BaseException:
-            gc.collect()  # the frontend's BlockBuilder warns when it is destroyed
-            raise
         finally:
+            gc.collect()  # the frontend's BlockBuilder warns when it is destroyed
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
@@ -377,9 +375,12 @@ def _import(model: onnx.ModelProto, params_as_inputs: bool):
     and imported once more; the first error stands if that fails too."""
     from tvm.relax.frontend.onnx import from_onnx
 
+    def run(m):
+        return from_onnx(m, keep_params_in_input=params_as_inputs)
+
     try:
-        with _quiet_stderr(), node_errors(model):
-            return from_onnx(model, keep_params_in_input=params_as_inputs), model
+        with _quiet_stderr():
+            return import_onnx(model, run), model
     except CompileError as first:
         opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), RETRY_OPSET)
         if opset >= RETRY_OPSET or first.operators and not first.node and "unsupported" in str(first):
@@ -391,8 +392,8 @@ def _import(model: onnx.ModelProto, params_as_inputs: bool):
         except Exception:  # noqa: BLE001 - the converter cannot help: the first error stands
             raise first from None
         try:
-            with _quiet_stderr(), node_errors(newer):
-                return from_onnx(newer, keep_params_in_input=params_as_inputs), newer
+            with _quiet_stderr():
+                return import_onnx(newer, run), newer
         except CompileError:
             raise first from None
 
