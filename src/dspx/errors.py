@@ -32,7 +32,8 @@ class CapacityError(DspxError, OSError):
     """Input over the declared input_buf capacity (EFBIG), caught before staging."""
 
     def __init__(self, requested: int, capacity: int, what: str = "input", where: str = "input_buf"):
-        advice = ("open the Client with a larger staging_size" if where == "staging"
+        advice = ("store the weights smaller: recompile with `dspx compile --weights float16` (or int8), "
+                  "or with --separate-weights to stage module and weights one at a time" if where == "staging"
                   else "call reserve_io() before the first inference")
         OSError.__init__(self, errno.EFBIG, f"{what} needs {requested} bytes but {where} holds {capacity} "
                                             f"(EFBIG); {advice}")
