@@ -189,7 +189,7 @@ def test_dyn_load_unknown_flag_bits_are_invalid(front, flags):
 def test_dyn_load_op_library_flag_loads_the_staged_source(front):
     st = front.attach(MiB, staging=True)
     front.conn.bufs[st].region.mm[:6] = b"x = 1\n"
-    job = submitted(front(P.DynLoad(elf_size=6, flags=P.DYN_LOAD_OP_LIBRARY)))
+    job = _per_core(front(P.DynLoad(elf_size=6, flags=P.DYN_LOAD_OP_LIBRARY)))[0]
     assert isinstance(job.rec, jobs.LoadOps) and job.rec.source == b"x = 1\n"
 
 
@@ -277,20 +277,36 @@ def test_weights_refused_by_the_core_keep_the_status(front):
     assert _reject_of(job.on_done, jobs.Done(job.rec.job, S.ERR_WEIGHTS, "truncated")).status == S.ERR_WEIGHTS
 
 
-def test_an_op_library_refused_by_the_core_answers_its_error_line(front):
-    base = front.attach(4096)
-    job = submitted(front(P.OpsLoad(src_dsp_addr=base, src_size=16)))
-    e = _reject_of(job.on_done, jobs.Done(job.rec.job, S.ERR_LOAD, "syntax", numbers={"error_line": 3}))
-    assert (e.status, e.numbers["error_line"]) == (S.ERR_LOAD, 3)
+def _per_core(actions) -> list:
+    """An op library loads on every core at once: one job per core."""
+    subs = [a.job for a in actions if isinstance(a, Submit)]
+    assert [j.core for j in subs] == list(range(len(subs))) and all(j.conn is None for j in subs)
+    return subs
 
 
-def test_an_op_library_loaded_on_core_0_is_sent_to_the_other_cores(front):
+def _answer(actions):
+    (r,) = [a.msg for a in actions if type(a).__name__ == "_To"]
+    return r
+
+
+def test_an_op_library_refused_by_a_core_answers_its_error_line(front):
     base = front.attach(4096)
-    job = submitted(front(P.OpsLoad(seq=8, src_dsp_addr=base, src_size=16)))
-    actions = job.on_done(jobs.Done(job.rec.job, value=jobs.OpsLoaded([(0x3001, "spin", 5)])))
-    (r,) = responses(actions)
+    j0, j1 = _per_core(front(P.OpsLoad(src_dsp_addr=base, src_size=16)))
+    assert j0.on_done(jobs.Done(j0.rec.job, value=jobs.OpsLoaded([(0x3001, "spin", 5)]))) == []
+    actions = j1.on_done(jobs.Done(j1.rec.job, S.ERR_LOAD, "syntax", numbers={"error_line": 3}))
+    r = _answer(actions)
+    assert (r.status, r.error_line) == (S.ERR_LOAD, 3)
+    assert [a.core for a in actions if isinstance(a, Notify)] == [0]  # unloaded where it had loaded
+    assert 0x3001 not in front.st.op_table
+
+
+def test_an_op_library_is_installed_once_every_core_took_it(front):
+    base = front.attach(4096)
+    jobs_ = _per_core(front(P.OpsLoad(seq=8, src_dsp_addr=base, src_size=16)))
+    for j in jobs_:
+        actions = j.on_done(jobs.Done(j.rec.job, value=jobs.OpsLoaded([(0x3001, "spin", 5)])))
+    r = _answer(actions)
     assert (r.status, r.num_ops, r.seq) == (0, 1, 8)
-    assert [a.core for a in actions if isinstance(a, Notify)] == [1]
     assert front.st.op_table[0x3001] == ("spin", 5, r.lib_handle)
 
 
@@ -299,7 +315,7 @@ def test_op_library_source_is_1_byte_to_128_kib(front, size, want):
     base = front.attach(256 << 10)
     actions = front(P.OpsLoad(src_dsp_addr=base, src_size=size))
     if want is None:
-        assert len(submitted(actions).rec.source) == size
+        assert len(_per_core(actions)[0].rec.source) == size
     else:
         assert status(actions) == want
 

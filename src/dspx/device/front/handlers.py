@@ -53,6 +53,7 @@ class FrontJob:
     plan: Plan | None = None
     req_type: int = 0  # a Call's request type (its req is not decoded on replay)
     queued_at: float = 0.0
+    run_limit_s: float = 0.0  # seconds it may run once started (its deadline is set then)
 
 
 @dataclass
@@ -494,26 +495,64 @@ class Handlers:
         b, off = conn.resolve(req.src_dsp_addr, req.src_size, "op library source")
         return self._load_ops(conn, req, bytes(b.region.mm[off:off + req.src_size]), "<oplib>")
 
+    # An op library is loaded on every core at once (any core may run any
+    # command id) and installed only if every core took it: one that fails
+    # anywhere — an exception, a crash or exit of its core, a hang past
+    # OPS_LOAD_LIMIT_S — is unloaded from the cores that did take it and
+    # refused, naming the core.
+    OPS_LOAD_LIMIT_S = 20.0
+
     def _load_ops(self, conn, req, source: bytes, filename: str) -> list:
         if len(source) > MAX_OPLIB_SOURCE:
             raise Reject(S.ERR_SIZE, f"op library of {len(source)} bytes (1..{MAX_OPLIB_SOURCE})")
         handle = self.st.new_id()
-        rec = jobs.LoadOps(handle=handle, source=source, filename=filename)
+        results: dict[int, jobs.Done] = {}
+        cores = range(self.cores.count)
 
-        def done(res: jobs.Done) -> list:
-            if res.status != S.SUCCESS:
-                raise Reject(res.status, res.error, error_line=res.numbers.get("error_line", 0))
+        def finished() -> list:
+            bad = [(i, r) for i, r in sorted(results.items()) if r.status != S.SUCCESS]
+            if bad:
+                i, r = bad[0]
+                e = Reject(r.status, f"core {i}: {r.error}", error_line=r.numbers.get("error_line", 0))
+                conn.last_error = (req.seq, int(e.status), str(e))
+                undo = [Notify(j, jobs.UnloadOps(handle=handle)) for j, d in results.items()
+                        if d.status == S.SUCCESS]
+                return undo + [_To(conn, P.failure(req, e.status, **e.numbers))]
+            ops = results[0].value.ops
             self.st.op_sources[handle] = (source, filename)
             self.st.modules[handle] = ModuleRec(handle, conn.cid, 0, 0, "oplib")
-            for cmd, name, lat in res.value.ops:
+            for cmd, name, lat in ops:
                 self.st.op_table[cmd] = (name, lat, handle)
             resp = (P.DynLoadResp(seq=req.seq, module_handle=handle) if isinstance(req, P.DynLoad)
-                    else P.OpsLoadResp(seq=req.seq, lib_handle=handle, num_ops=len(res.value.ops)))
-            # the other cores load it too (core 0 already has)
-            return [Notify(i, jobs.LoadOps(handle=handle, source=source, filename=filename))
-                    for i in range(1, self.cores.count)] + [Respond(resp)]
+                    else P.OpsLoadResp(seq=req.seq, lib_handle=handle, num_ops=len(ops)))
+            return [_To(conn, resp)]
 
-        return [Submit(FrontJob(rec, conn, req, 0, [], done))]
+        def on(core: int):
+            def done(res: jobs.Done) -> list:
+                results[core] = res
+                return finished() if len(results) == self.cores.count else []
+            return done
+
+        # The device's own jobs (no connection): a client that closes meanwhile
+        # does not leave a library on some cores only.
+        return [Submit(FrontJob(jobs.LoadOps(handle=handle, source=source, filename=filename), None, None, i, [],
+                                on(i), run_limit_s=self.OPS_LOAD_LIMIT_S)) for i in cores]
+
+    def replay_ops(self, core: int) -> list:
+        """A restarted core gets every op library again, before anything else
+        runs there; one that fails there now is unloaded everywhere (no
+        restart loop)."""
+        out = []
+        for handle, (src, fname) in sorted(self.st.op_sources.items()):
+            def done(res: jobs.Done, handle=handle) -> list:
+                rec = self.st.modules.get(handle)
+                if res.status == S.SUCCESS or rec is None:
+                    return []
+                return self.unload_ops(rec)
+            out.append(Submit(FrontJob(jobs.LoadOps(handle=handle, source=src, filename=fname), None, None, core,
+                                       [], done, priority=self.RELOAD_PRIORITY + 1,
+                                       run_limit_s=self.OPS_LOAD_LIMIT_S)))
+        return out
 
     def unload_ops(self, rec: ModuleRec) -> list:
         for cmd in [c for c, v in self.st.op_table.items() if v[2] == rec.handle]:

@@ -208,8 +208,7 @@ class Service:
         c.start_failures = 0
         for cmd, name, lat in rec.ops:  # the firmware's built-in operators
             self.st.op_table.setdefault(cmd, (name, lat, 0))
-        for handle, (src, fname) in sorted(self.st.op_sources.items()):
-            c.send(jobs.LoadOps(handle=handle, source=src, filename=fname))
+        self._apply(None, self.handlers.replay_ops(c.index))
 
     def _core_died(self, c: CoreProc) -> None:
         if not self.running:  # shutting down (Ctrl-C reaches the whole process group): no restart, no news
@@ -429,6 +428,8 @@ class Service:
         fds += [b.fd for b in new]
         c.known_bufs.update(b.buf_id for b in new)
         c.running = job
+        if job.run_limit_s:
+            job.deadline = time.monotonic() + job.run_limit_s
         c.want_done(bool(self.pending))
         self._inflight[rec.job] = job
         if not c.send(rec, fds):
