@@ -54,14 +54,18 @@ def compiler_digest() -> str:
     return h.hexdigest()
 
 
+def cache_key(onnx_path, **compile_options) -> str:
+    """The model's bytes, the compiler's and the options: what a compiled module depends on."""
+    options = repr(sorted(compile_options.items())).encode()
+    return hashlib.sha256(Path(onnx_path).read_bytes() + compiler_digest().encode() + options).hexdigest()[:24]
+
+
 def compiled_dir(onnx_path, cache_dir=None, progress: bool = True, **compile_options) -> tuple[Path, bool]:
     """(module directory, whether it was compiled now) for an ONNX file;
     ``compile_options`` go to ``compile_onnx`` (and into the cache key)."""
     from ..compiler.onnx import compile_onnx
 
-    data = Path(onnx_path).read_bytes()
-    options = repr(sorted(compile_options.items())).encode()
-    key = hashlib.sha256(data + compiler_digest().encode() + options).hexdigest()[:24]
+    key = cache_key(onnx_path, **compile_options)
     root = Path(cache_dir) if cache_dir else cache_root()
     out = root / key
     if (out / "metadata.json").is_file():
