@@ -21,7 +21,7 @@ def _shape(t: dict) -> str:
 @click.argument("model", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("-o", "--output", "outdir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="directory for model.so, metadata.json (and weights.bin)")
-@click.option("--separate-weights", is_flag=True, help="write the weights to weights.bin (sent with MODEL_LOAD)")
+@click.option("--separate-weights", is_flag=True, help="write the weights to weights.bin, sent to the device on their own (MODEL_LOAD)")
 @click.option("--no-kernels", is_flag=True, help="generate every operator with TVM; call no firmware kernels")
 @click.option("--target", default="native", show_default=True,
               help="CPU to generate code for: native (this machine's CPU, recorded in the module), "
@@ -39,7 +39,7 @@ def _shape(t: dict) -> str:
               help="skip running the module on a device against onnxruntime (or TVM's unoptimized build)")
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
 def compile_cmd(model, outdir, separate_weights, no_kernels, target, weights, shapes, dims, no_verify, as_json):
-    """Compile an ONNX MODEL into a module the device can DYN_LOAD.
+    """Compile an ONNX MODEL into a module the device loads at run time (DYN_LOAD).
 
     The compiled module is run once on a private device against a reference
     before the command succeeds (--no-verify skips it)."""
