@@ -633,3 +633,242 @@ def test_submit_and_respond_are_distinct_actions(front):
     actions = front(P.DynLoad(elf_size=10))
     assert [type(a) for a in actions] == [Submit]
     assert [type(a) for a in front(P.Ping())] == [Respond]
+
+
+# ---------------------------------------------------------------- answers that carry state
+
+def test_ping_and_status_carry_the_version_and_the_uptime_in_ms(front):
+    import time
+
+    front.st.started = time.monotonic() - 5.0
+    (r,) = responses(front(P.Ping(seq=3)))
+    assert r.version == P.VERSION and 5000 <= r.uptime_ms < 5000 + 60_000
+    front.st.jobs_completed, front.st.jobs_failed = (1 << 32) + 7, 3
+    (s,) = responses(front(P.GetStatus(seq=4)))
+    assert (s.seq, s.version, s.jobs_completed, s.jobs_failed) == (4, P.VERSION, 7, 3)
+    assert 5000 <= s.uptime_ms < 5000 + 60_000
+
+
+def test_uptime_wraps_at_32_bits():
+    import time
+
+    from dspx.device.front.state import DeviceState
+
+    st = DeviceState()
+    st.started = time.monotonic() - ((1 << 32) + 10_000) / 1000  # 2^32 ms and 10 s ago
+    assert 10_000 <= st.uptime_ms() < 10_000 + 60_000
+
+
+def test_pool_status_reports_every_figure_by_name(front):
+    front.h.cores.rss = lambda: 123_456_789
+    front.st.ddr.take(3 * MiB)
+    front.st.ddr.give(MiB)
+    front.attach(8192)
+    (r,) = responses(front(P.PoolStatus(seq=9)))
+    assert (r.seq, r.ddr_total, r.ddr_used, r.ddr_peak) == (9, 8 * MiB, 2 * MiB, 3 * MiB)
+    assert (r.carveout_total, r.carveout_used, r.l2_total, r.l2_used) == (64 * MiB, 8192, memory.L2_SIZE, 0)
+    assert (r.connections, r.modules, r.cores, r.op_count, r.rss_bytes) == (1, 0, 2, 0, 123_456_789)
+
+
+def test_ops_list_is_sorted_by_command_and_paged(front):
+    for cmd in range(0x2000 + 12, 0x2000, -1):  # 12 ops, registered in reverse
+        front.st.op_table[cmd] = (f"op{cmd:x}", cmd & 0xFF, 7)
+    (r,) = responses(front(P.OpsList(seq=2, start=0)))
+    assert (r.seq, r.total, r.count) == (2, 12, P.OpsListResp.MAX_ENTRIES)
+    assert r.entries()[0] == (0x2001, 1, 7, 0, "op2001")
+    (r2,) = responses(front(P.OpsList(start=10)))
+    assert [e[0] for e in r2.entries()] == [0x200B, 0x200C] and r2.total == 12
+    (r3,) = responses(front(P.OpsList(start=12)))
+    assert (r3.count, r3.payload) == (0, b"")
+
+
+# ---------------------------------------------------------------- unloads and accounting
+
+def _model(front, nbytes: int, generation: int = 1) -> int:
+    mid = front.st.new_id()
+    front.st.models[mid] = ModelRec(mid, front.conn.cid, 0, generation, nbytes, 2)
+    front.conn.models.add(mid)
+    front.st.ddr.take(nbytes)
+    return mid
+
+
+def test_model_unload_waits_for_its_core_then_answers_the_connection(front):
+    from dspx.device.front.handlers import _To
+
+    mid = _model(front, 4096)
+    actions = front(P.ModelUnload(seq=12, model_id=mid))
+    job = submitted(actions)
+    assert isinstance(job.rec, jobs.UnloadWeights) and job.rec.model_id == mid
+    assert (job.core, job.conn, job.req.seq, job.bufs) == (0, None, 12, [])
+    (to,) = job.on_done(jobs.Done(job.rec.job))
+    assert isinstance(to, _To) and to.conn is front.conn
+    assert isinstance(to.msg, P.ModelUnloadResp) and to.msg.seq == 12
+    assert mid not in front.st.models and mid not in front.conn.models and front.st.ddr.used == 0
+
+
+def test_model_unload_of_a_core_that_restarted_answers_at_once(front):
+    mid = _model(front, 4096, generation=0)
+    (r,) = responses(front(P.ModelUnload(seq=5, model_id=mid)))
+    assert (r.seq, r.status) == (5, 0) and not [a for a in front(P.Ping()) if isinstance(a, Submit)]
+
+
+def test_module_unload_waits_for_the_core_that_holds_it(front):
+    h = front.module()
+    front.st.modules[h].core = 1
+    job = submitted(front(P.DynUnload(seq=3, module_handle=h)))
+    assert (job.core, job.rec.handle, job.req.seq) == (1, h, 3)
+    (to,) = job.on_done(jobs.Done(job.rec.job))
+    assert to.conn is front.conn and to.msg.seq == 3
+
+
+def test_generation_is_asked_of_the_cores_own_index(front):
+    front.h.cores.generation = lambda i: {0: 1, 1: 5}.get(i)
+    h = front.module()
+    front.st.modules[h].core, front.st.modules[h].generation = 1, 5
+    assert isinstance(submitted(front(P.DynUnload(module_handle=h))).rec, jobs.UnloadModule)
+
+
+def test_the_ddr_pool_comes_back_per_module_and_resets_when_nothing_is_loaded(front):
+    st = front.st
+    a, b = front.module(), front.module()
+    for h, n in ((a, 1000), (b, 3000)):
+        st.modules[h].ddr_bytes = n
+        st.ddr.take(n)
+    st.ddr.take(500)  # drift the pool's figure: only a reset clears it
+    st.drop_module(st.modules[a])
+    assert st.ddr.used == 3500 and a not in front.conn.modules and b in front.conn.modules
+    mid = _model(front, 100)
+    st.drop_module(st.modules[b])
+    assert st.ddr.used == 600  # a model is still loaded: no reset
+    st.drop_model(st.models[mid])
+    assert st.ddr.used == 0 and mid not in front.conn.models
+
+
+def test_an_op_library_does_not_keep_the_pool_from_resetting(front):
+    st = front.st
+    h = front.st.new_id()
+    st.modules[h] = ModuleRec(h, front.conn.cid, 0, 0, "oplib")
+    m = front.module()
+    st.modules[m].ddr_bytes = 10
+    st.ddr.take(20)
+    st.drop_module(st.modules[m])
+    assert st.ddr.used == 0
+
+
+def test_a_closing_connections_module_and_model_are_dropped_on_their_core_incarnation(front):
+    h = front.module()
+    front.st.modules[h].core, front.st.modules[h].generation = 1, 4
+    (n,) = front.h.unload_module(front.st.modules[h])
+    assert (n.core, n.generation, n.rec.handle) == (1, 4, h) and h not in front.st.modules
+    mid = _model(front, 64, generation=3)
+    (n,) = front.h.unload_model(front.st.models[mid])
+    assert (n.core, n.generation, n.rec.model_id) == (0, 3, mid) and mid not in front.st.models
+
+
+def test_unloading_an_op_library_removes_only_its_own_ops_on_every_core(front):
+    st = front.st
+    for lib in (101, 102):
+        st.modules[lib] = ModuleRec(lib, front.conn.cid, 0, 0, "oplib")
+        st.op_sources[lib] = (b"src", "<oplib>")
+    st.op_table.update({1: ("a", 0, 101), 2: ("b", 0, 102), 3: ("c", 0, 101)})
+    (n,) = front.h.unload_ops(st.modules[101])
+    assert (n.core, n.rec.handle) == (None, 101) and isinstance(n.rec, jobs.UnloadOps)
+    assert st.op_table == {2: ("b", 0, 102)} and 101 not in st.op_sources and 102 in st.op_sources
+    assert 101 not in st.modules and 102 in st.modules
+
+
+def test_dyn_unload_of_an_op_library_answers_the_request(front):
+    st = front.st
+    st.modules[77] = ModuleRec(77, 999, 0, 0, "oplib")
+    actions = front(P.DynUnload(seq=21, module_handle=77))
+    (r,) = responses(actions)
+    assert (r.seq, r.status) == (21, 0)
+    assert any(isinstance(a, Notify) and a.rec.handle == 77 for a in actions)
+
+
+def test_a_loaded_op_library_keeps_its_source_for_cores_that_restart(front):
+    base = front.attach(4096)
+    front.conn.bufs[base].region.mm[:16] = b"# op library 16\n"
+    per_core = _per_core(front(P.OpsLoad(src_dsp_addr=base, src_size=16)))
+    handle = per_core[0].rec.handle
+    assert handle > 0 and all((j.rec.handle, j.rec.filename, j.rec.source) == (handle, "<oplib>", b"# op library 16\n")
+                              for j in per_core)
+    for j in per_core:
+        actions = j.on_done(jobs.Done(j.rec.job, value=jobs.OpsLoaded([])))
+    r = _answer(actions)
+    assert r.lib_handle == handle
+    assert front.st.op_sources[handle] == (b"# op library 16\n", "<oplib>")
+    assert front.st.modules[handle].kind == "oplib"
+
+
+def test_an_op_library_refused_without_a_line_answers_line_0(front):
+    base = front.attach(4096)
+    per_core = _per_core(front(P.OpsLoad(src_dsp_addr=base, src_size=16)))
+    for j in per_core:
+        actions = j.on_done(jobs.Done(j.rec.job, S.ERR_LOAD, "does not compile"))
+    r = _answer(actions)
+    assert (r.status, r.error_line) == (S.ERR_LOAD, 0)
+    (e,) = responses(front(P.GetError()))
+    assert b"does not compile" in e.payload
+
+
+def test_detach_accounts_the_connections_bytes_and_the_devices_buffers(front):
+    a = front.attach(8192)
+    b = front.attach(4096)
+    assert front.conn.attached == 12288 and front.st.nbufs == 2
+    front(P.BufDetach(dsp_addr=a))
+    assert front.conn.attached == 4096 and front.st.nbufs == 1
+    front(P.BufDetach(dsp_addr=b))
+    assert front.conn.attached == 0 and front.st.nbufs == 0
+
+
+def test_detach_unbinds_printf_only_if_the_ring_was_in_that_buffer(front):
+    a = front.attach(4096)
+    b = front.attach(4096)
+    assert b == a + 4096  # adjacent: b starts where a ends
+    front(P.SetPrintfBuf(printf_dsp_addr=b, printf_size=64))
+    front(P.BufDetach(dsp_addr=a))
+    assert front.conn.printf == (b, 64)
+
+
+# ---------------------------------------------------------------- plans
+
+def test_a_connection_keeps_16_plans_and_forgets_the_oldest(front):
+    from dspx.device.front.state import MAX_PLANS_PER_CONN
+
+    base, h = front.attach(8192), front.module(signature=None)
+    ids = []
+    for i in range(MAX_PLANS_PER_CONN):
+        req = infer_req(base, h, 8192, [_desc(base + 128 + 64 * i)])
+        key = Handlers.plan_key(front.conn, P.MsgType.INFER, req.encode())
+        actions = front.h.handle(front.conn, req, [], key)
+        assert not [a for a in actions if not isinstance(a, Submit)]
+        ids.append(submitted(actions).plan.plan_id)
+    req = infer_req(base, h, 8192, [_desc(base + 4096)])
+    key = Handlers.plan_key(front.conn, P.MsgType.INFER, req.encode())
+    actions = front.h.handle(front.conn, req, [], key)
+    (forget,) = [a for a in actions if not isinstance(a, Submit)]
+    assert forget.plans == [ids[0]] and len(front.conn.plans) == MAX_PLANS_PER_CONN
+
+
+def test_an_rpc_plan_replays_only_while_its_command_is_registered(front):
+    actions = _rpc(front)
+    job = submitted(actions)
+    plan = job.plan
+    again = submitted(front.h.replay(front.conn, plan, 55))
+    assert again.rec.seq == 55 and again.plan is plan and again.req_type == P.MsgType.RPC
+    del front.st.op_table[0x1402]
+    assert front.h.replay(front.conn, plan, 56) is None
+
+
+def test_an_infer_plan_replays_whatever_the_op_table(front):
+    base, h = front.attach(4096), front.module()
+    plan = submitted(front(infer_req(base, h, 4096, [_desc(base + 128)]))).plan
+    job = submitted(front.h.replay(front.conn, plan, 9))
+    assert job.req_type == P.MsgType.INFER and job.rec.plan == plan.plan_id
+
+
+def test_no_room_keeps_the_status_message_and_numbers():
+    n = Notify(0, jobs.UnloadModule(handle=1))
+    e = _NoRoom(n, Reject(S.ERR_NOMEM, "full", oom_requested=5, oom_free=1))
+    assert (e.status, str(e), e.numbers, e.undo) == (S.ERR_NOMEM, "full", {"oom_requested": 5, "oom_free": 1}, n)
