@@ -216,3 +216,29 @@ def test_extension_messages_fit_and_roundtrip():
     r = P.OpsListResp(total=100, count=len(entries), payload=P.OpsListResp.pack_entries(entries))
     assert len(r.encode()) <= 512
     assert P.decode(r.encode()).entries() == entries
+
+
+def test_error_response_without_type_or_seq_is_a_bare_0x1000_header():
+    assert P.error_response(None, None, Status.ERR_INVALID) == struct.pack("<IIIi", 0x1000, 0, 16, -2)
+    assert P.error_response(0x21, 0xFFFFFFFF, Status.ERR_ADDR) == struct.pack("<IIIi", 0x1021, 0xFFFFFFFF, 16, -6)
+
+
+def test_decode_errors_carry_the_type_they_could_read():
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(struct.pack("<IIIi", 0x21, 5, 17, 0))
+    assert (e.value.msg_type, e.value.seq, e.value.status) == (0x21, 5, Status.ERR_INVALID)
+    with pytest.raises(P.ProtocolError) as e:
+        P.Infer(num_inputs=6, descs=[P.TensorDesc.for_array(0, (1,), "int8")] * 6).encode()
+    assert (e.value.status, e.value.seq, e.value.msg_type) == (Status.ERR_INVALID, None, None)
+
+
+def test_ops_list_names_that_are_not_utf8_are_replaced():
+    raw = P.OpsListResp.pack_entries([(1, 0, 0, 0, "x")])
+    raw = raw[:16] + b"\xffop".ljust(32, b"\0")
+    assert P.OpsListResp(total=1, count=1, payload=raw).entries() == [(1, 0, 0, 0, "\ufffdop")]
+
+
+def test_version_string_and_message_class():
+    assert P.version_str(0x030000) == "3.0.0" and P.version_str(0x0A0B0C) == "10.11.12"
+    assert P.version_str(0x01FF0203) == "255.2.3"  # only the low 24 bits
+    assert P.message_class(0x1061) is P.PoolStatusResp and P.message_class(0x77) is None

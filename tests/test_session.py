@@ -237,3 +237,52 @@ def test_out_of_band_descriptors_may_not_overwrite_created_arrays():
     seven = [np.zeros(4, np.float32)] * 7
     with pytest.raises(CapacityError, match="descriptor region needs 560 bytes"):
         io.plan_infer(1, seven, [None] * 7)  # 7 x 80 bytes would cover the array at 128
+
+
+# ---------------------------------------------------------------- edges (each kills a mutant that survived)
+
+def test_failure_text_of_invalid_utf8_is_replaced_not_an_error():
+    resp = P.DynLoadResp(seq=4, status=P.Status.ERR_LOAD)
+    err = failure(resp, "DYN_LOAD", P.GetErrorResp(error_seq=4, error_status=-9, payload=b"bad \xff byte"))
+    assert "bad \ufffd byte" in str(err) and err.status_name == "ERR_LOAD"
+    assert failure(resp, "DYN_LOAD", P.GetErrorResp(error_seq=3, payload=b"older")).detail == ""
+
+
+def test_unmet_names_each_side_joined_by_semicolons():
+    io = IoCapacity()
+    w = io.unmet([("input", 100, "ERR_NOMEM"), ("output", 200, "window full")])
+    assert str(w).startswith("io declaration could not be met: input declared 100 bytes, allocated 0 (ERR_NOMEM); "
+                             "output declared 200 bytes, allocated 0 (window full) — ")
+
+
+def test_create_input_starts_past_the_declared_descriptor_region_and_fills_to_the_last_byte():
+    io = with_buffers(4096, 4096, num_inputs=3)  # 240 -> 256
+    assert io.create_input(100) == 256
+    assert io.create_input(4096 - 384) == 384  # 356 -> 384, ends exactly at 4096
+    with pytest.raises(CapacityError) as e:
+        io.create_input(1)
+    assert (e.value.requested, e.value.capacity) == (4096 + 1, 4096)
+
+
+def test_create_input_needs_an_input_buffer():
+    io = IoCapacity()
+    with pytest.raises(CapacityError) as e:
+        io.create_input(64)
+    assert (e.value.requested, e.value.capacity) == (64, 0) and not io.locked
+
+
+def test_arrays_handed_out_from_offset_0_leave_no_room_for_a_descriptor_table():
+    io = with_buffers(8192, 4096, num_inputs=0)
+    assert io.create_input(64) == 0
+    six = [np.zeros(4, np.float32)] * 6  # INFER_LARGE: 480-byte table at input_buf's start
+    with pytest.raises(CapacityError) as e:
+        io.plan_infer(1, six, [None] * 6)
+    assert (e.value.requested, e.value.capacity) == (480, 0)
+
+
+def test_a_new_input_buffer_forgets_the_arrays_of_the_old_one():
+    io = with_buffers()
+    io.create_input(64)
+    before = io.state()
+    io.replaced("input", 8192, IN + 0x10_0000)
+    assert io.state() != before and io.create_input(64) == 128  # bump allocation starts over
