@@ -39,3 +39,13 @@ clean:
 .PHONY: libdspx
 libdspx: $(STAMP)
 	$(BIN)/python -c 'from dspx.sdk import host; print(host.build())'
+
+# Mutation testing of the wire codec, the front's handlers and state, the host
+# session, the tile manager / DMA engine and the loader's checks (config:
+# [tool.mutmut] in pyproject.toml; not part of `make test`).  Prints the score
+# and every survivor; tests/mutants-survivors.md justifies the ones that cannot matter.
+.PHONY: mutants
+mutants: $(STAMP)
+	$(BIN)/python -m pip install -q 'mutmut>=3.3'
+	nice $(BIN)/mutmut run --max-children 2 || true  # survivors are reported next, not a make failure
+	$(BIN)/python tests/mutants_score.py
