@@ -1,4 +1,4 @@
-"""The README's Python examples, run as a user runs them: every ```python
+"""The README's (and docs/coming-from.md's) Python examples, run as a user runs them: every ```python
 block, in order, as one script, in a directory holding what the README says
 it holds (model.onnx and build/model from `dspx compile`).  One device
 serves them all through $DSPX_SOCKET (as `dspx serve` would), so the module
@@ -15,6 +15,7 @@ from pathlib import Path
 from conftest import Device
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+COMING_FROM = README.parent / "docs" / "coming-from.md"  # its examples assume the same files
 
 
 def python_blocks(text: str) -> list[str]:
@@ -27,16 +28,16 @@ def test_readme_has_python_examples():
 
 
 def test_readme_python_examples_run(tmp_path, compiled, example_onnx):
-    from dspx.host.onnxrt import cache_key
-
     shutil.copy(example_onnx["multi_output"], tmp_path / "model.onnx")
     shutil.copytree(compiled("multi_output"), tmp_path / "build" / "model")
     # InferenceSession's first use compiles (test_onnxrt covers that); here its
-    # cache holds the same model compiled, under the key it will look for.
+    # cache holds the same model compiled, under the key it will look for
+    # (computed in the script's own process: the compiler's sources are in the key).
     cache = tmp_path / "xdg-cache"
-    shutil.copytree(compiled("multi_output"), cache / "dspx" / "sessions" / cache_key(tmp_path / "model.onnx"))
+    seed = ("import shutil\nfrom dspx.host.onnxrt import cache_key, cache_root\n"
+            "shutil.copytree('build/model', cache_root() / cache_key('model.onnx'))\n")
     script = tmp_path / "readme_examples.py"
-    script.write_text("\n\n".join(python_blocks(README.read_text())))
+    script.write_text("\n\n".join([seed, *python_blocks(README.read_text()), *python_blocks(COMING_FROM.read_text())]))
     dev = Device("--ddr-pool-size", "96M", "--cores", "2")  # the default carveout: Client()'s default staging
     try:
         env = {**os.environ, "DSPX_SOCKET": dev.path, "XDG_CACHE_HOME": str(cache)}
