@@ -54,8 +54,9 @@ def small(shared_device, compiled):
     yield make
     for vm in opened:
         c = vm.client
-        vm.close()
-        c.close()
+        if c is not None:
+            vm.close()
+            c.close()
 
 
 def test_resnet18_profile_names_every_conv_and_sums_to_the_entry(r18, example_onnx):
@@ -121,3 +122,26 @@ def test_profile_without_a_printf_buffer_is_err_invalid(small):
         profile(vm, *ins)
     assert "ERR_INVALID" in str(e.value) and "printf" in str(e.value)
     vm["main"](*ins)  # the connection keeps working
+
+
+def test_a_profiled_module_unloads_fully(small, shared_device, compiled):
+    """The profiling VM holds the module's library: it must go with the
+    unload, or the next module loaded under the reused memfd path would be
+    the old library again (dlopen returns what is still mapped there)."""
+    vm, ins = small()
+    profile(vm, *ins)
+    c = vm.client
+    vm.close()
+    c.close()
+    other = _vm(shared_device.path, compiled("multi_input"))
+    try:
+        x = [np.full(s["shape"], i + 1, s["dtype"]) for i, s in enumerate(other.metadata["inputs"])]
+        outs = other["main"](*x)
+        outs = outs if isinstance(outs, list) else [outs]
+        assert [list(o.shape) for o in outs] == [s["shape"] for s in other.metadata["outputs"]]
+        rep = profile(other, *x)
+        assert rep.rows and 0 < rep.total_cycles <= rep.entry_cycles
+    finally:
+        c = other.client
+        other.close()
+        c.close()

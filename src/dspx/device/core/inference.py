@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-import weakref
 
 import numpy as np
 
@@ -213,14 +212,17 @@ class TimedVM:
                 for s, t0, t1, args in calls]
 
 
-_timed: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def timed_vm(module) -> TimedVM:
-    """The module's TimedVM, made on first use."""
-    t = _timed.get(module)
+    """The module's TimedVM, made on first use and kept on the module, whose
+    unload drops it: it holds the library, which must be unmapped with the
+    module (a library still mapped under a reused /proc/self/fd path would be
+    what the next load's dlopen returns)."""
+    t = getattr(module, "timed", None)
     if t is None:
-        t = _timed[module] = TimedVM(module)
+        if module._lib is None:
+            from .errors import CallError
+            raise CallError("module is unloaded")
+        t = module.timed = TimedVM(module)
     return t
 
 

@@ -261,6 +261,7 @@ class MappedModule:
         constants (held by the VM executable), then the code segments."""
         self._last_outputs = None
         self._weights = None
+        self.timed = None  # a profiling VM (core/inference.py) holds the library too: it goes first
         self._func = None
         self._vm = None
         self._lib = None
