@@ -24,17 +24,29 @@ def level_of(verbose: int = 0, level: str | None = None) -> int:
     return getattr(logging, env) if env in {n.upper() for n in LEVELS} else logging.WARNING
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (a test runner may swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def setup(verbose: int = 0, level: str | None = None, prefix: str = "dspx") -> logging.Logger:
     lvl = level_of(verbose, level)
     log = logging.getLogger("dspx")
     log.setLevel(lvl)
-    if not any(getattr(h, "_dspx", False) for h in log.handlers):
-        h = logging.StreamHandler(sys.stderr)
-        h._dspx = True
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        h = _StderrHandler()
         h.setFormatter(logging.Formatter(f"{prefix}: %(levelname)s: %(message)s"))
         log.addHandler(h)
         log.propagate = False
-    os.environ[ENV] = logging.getLevelName(lvl).lower()
+    if verbose or level:  # passed on to the processes this one starts
+        os.environ[ENV] = logging.getLevelName(lvl).lower()
     return log
 
 
