@@ -83,7 +83,8 @@ def test_a_module_that_crashes_the_loader_costs_the_probe_child_not_the_core(dev
     cores = _cores(dev)
     with pytest.raises(ModuleLoadError) as e:
         c.load_module(elf)
-    assert e.value.status_name == "ERR_LOAD" and "crashed the loader" in str(e.value), e.value
+    # the probe child's end is named (a signal: SIGSEGV, or SIGSYS where the probe runs sandboxed)
+    assert e.value.status_name == "ERR_LOAD" and "SIG" in str(e.value), e.value
     assert _cores(dev) == cores  # no core died and none was restarted
     assert c.ping()["version"] == "3.0.0" and c.pools()["modules"] == 0
 
