@@ -185,7 +185,7 @@ def test_run_inputs_by_name_and_readable_output(cli_device, compiled, example_on
     lines = p.stdout.splitlines()
     assert "4 run(s) on the device" in lines[0]
     assert re.search(r"min [\d.]+ (ns|µs|ms), median [\d.]+ (ns|µs|ms), p90 [\d.]+ (ns|µs|ms) over 4 runs "
-                     r"\(device clock, 1 GHz", lines[1]), lines[1]
+                     r"\(device clock: 1 GHz", lines[1]), lines[1]
     assert lines[2].split() == ["output", "y", "float32[1,", "16]"]
     ref = _ort(example_onnx["multi_input"], meta, arrays)
     with np.load(tmp_path / "y.npz") as z:

@@ -11,7 +11,7 @@ import statistics
 import click
 import numpy as np
 
-CLOCK = "device clock, 1 GHz nominal (1 cycle = 1 ns of the entry call)"
+CLOCK = "device clock: 1 GHz nominal, 1 cycle = 1 ns of the entry call"
 
 
 def _ms(cycles: float) -> float:
