@@ -14,6 +14,11 @@ What is measured (wall clock in the host process, medians of --repeat runs):
   37…37+N-1), each one INFER of decode.so + reading the logits + argmax.
   KV-resident (KV stays in the KV region) and non-resident (KV copied into
   input_buf and out of output_buf every token).
+- decode at the end of the context: the same N steps at positions
+  context-N … context-1 (after prefilling context-N tokens), and its ratio to
+  decode at position 37 (goal >= 0.8).
+- both KV dtypes: float32 KV (context 256) and float16 KV (context 512), each
+  its own compiled package and device, one after the other.
 - bytes moved per decoded token: bytes the host copies into input_buf
   (tensors + descriptor table) + KV bytes it copies out of output_buf; the
   196,608 bytes of logits read are the same in both modes and listed apart.
@@ -21,7 +26,9 @@ What is measured (wall clock in the host process, medians of --repeat runs):
   prompts and steps, in this process, OPENBLAS_NUM_THREADS=1 unless set.
 - llama.cpp (llama-cpp-python on the same GGUF and token ids, 1 and 2
   threads), when it is importable: it builds from source in ~15 min and is
-  not a dependency of the project (``pip install llama-cpp-python``).
+  not a dependency of the project (``CMAKE_ARGS="-DGGML_NATIVE=ON" pip
+  install llama-cpp-python==0.3.36``).  Ratios dspx / llama.cpp 2 threads are
+  taken in this one run (goals: prefill >= 1.5x, decode >= 1.2x).
 
 Prints a table and writes benchmarks/results/llm.json.
 """
@@ -99,6 +106,49 @@ def bench_llama_cpp(p37, p256, n: int, repeat: int) -> dict:
     return out
 
 
+def bench_dspx(model_dir, p37, p256, long_text, n: int, repeat: int, non_resident: bool) -> dict:
+    from dspx.host.llm import DeviceLLM
+
+    t0 = time.perf_counter()
+    llm = DeviceLLM(model_dir, progress=True)
+    dev = {"load_s": round(time.perf_counter() - t0, 2), "context": llm.context, "kv_dtype": llm.kv_dtype}
+    try:
+        for name, ids in (("37", p37), ("256", p256)):
+            ts = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                llm.prefill(ids)
+                ts.append(time.perf_counter() - t0)
+            dev[f"prefill_tok_s_{name}"] = round(len(ids) / med(ts), 1)
+        for mode, resident in (("resident", True), ("non_resident", False))[:2 if non_resident else 1]:
+            ts, toks = [], None
+            for _ in range(repeat):
+                first = llm.prefill(p37)
+                before = llm.traffic.moved
+                dt, toks = decode_run(lambda t, p: llm.decode(t, p, resident=resident), first, len(p37), n)
+                ts.append(dt)
+                moved = (llm.traffic.moved - before) / n
+            dev[f"decode_tok_s_{mode}"] = round(n / med(ts), 1)
+            dev[f"bytes_per_token_{mode}"] = int(moved)
+            dev[f"ids_{mode}"] = toks
+        if non_resident:
+            dev["same_tokens"] = dev["ids_resident"] == dev["ids_non_resident"]
+            dev["resident_speedup"] = round(dev["decode_tok_s_resident"] / dev["decode_tok_s_non_resident"], 2)
+        start = llm.context - n
+        ts = []
+        for _ in range(repeat):
+            first = llm.prefill(long_text[:start])
+            dt, _ = decode_run(llm.decode, first, start, n)
+            ts.append(dt)
+        dev["decode_tok_s_end_of_context"] = round(n / med(ts), 1)
+        dev["end_of_context_ratio"] = round(dev["decode_tok_s_end_of_context"] / dev["decode_tok_s_resident"], 2)
+        dev["logits_bytes_per_token"] = 4 * llm.vocab
+        dev["load_warnings"] = llm.load_warnings
+    finally:
+        llm.close()
+    return dev
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -108,7 +158,6 @@ def main() -> int:
     a = ap.parse_args()
 
     from dspx.compiler.llm import compile_llm, compiled_dir
-    from dspx.host.llm import DeviceLLM
     from dspx.llm import Tokenizer
 
     results: dict = {"decode_tokens": a.decode_tokens, "repeat": a.repeat, "host": os.uname().nodename,
@@ -124,39 +173,15 @@ def main() -> int:
     assert len(p37) == 37, len(p37)
     text = ("The quick brown fox jumps over the lazy dog while the river runs to the sea. " * 40)
     p256 = tok.encode(text)[:256]
+    long_text = tok.encode(text * 2)
     n = a.decode_tokens
 
-    t0 = time.perf_counter()
-    llm = DeviceLLM(model_dir, progress=True)
-    results["load_s"] = round(time.perf_counter() - t0, 2)
-    try:
-        pre = {}
-        for name, ids in (("37", p37), ("256", p256)):
-            ts = []
-            for _ in range(a.repeat):
-                t0 = time.perf_counter()
-                llm.prefill(ids)
-                ts.append(time.perf_counter() - t0)
-            pre[name] = len(ids) / med(ts)
-        dev = {"prefill_tok_s_37": round(pre["37"], 1), "prefill_tok_s_256": round(pre["256"], 1)}
-        for mode, resident in (("resident", True), ("non_resident", False)):
-            ts, toks = [], None
-            for _ in range(a.repeat):
-                first = llm.prefill(p37)
-                before = llm.traffic.moved
-                dt, toks = decode_run(lambda t, p: llm.decode(t, p, resident=resident), first, len(p37), n)
-                ts.append(dt)
-                moved = (llm.traffic.moved - before) / n
-            dev[f"decode_tok_s_{mode}"] = round(n / med(ts), 1)
-            dev[f"bytes_per_token_{mode}"] = int(moved)
-            dev[f"ids_{mode}"] = toks
-        dev["same_tokens"] = dev["ids_resident"] == dev["ids_non_resident"]
-        dev["resident_speedup"] = round(dev["decode_tok_s_resident"] / dev["decode_tok_s_non_resident"], 2)
-        dev["logits_bytes_per_token"] = 4 * llm.vocab
-        dev["load_warnings"] = llm.load_warnings
-        results["dspx"] = dev
-    finally:
-        llm.close()
+    results["dspx"] = bench_dspx(model_dir, p37, p256, long_text, n, a.repeat, non_resident=True)
+    results["load_s"] = results["dspx"].pop("load_s")
+    f16_dir = compiled_dir(progress=True, context=512, kv_dtype="float16")
+    results["dspx_f16kv"] = bench_dspx(f16_dir, p37, p256, long_text, n, a.repeat, non_resident=False)
+    results["dspx_f16kv"]["same_tokens_as_f32kv"] = (results["dspx_f16kv"]["ids_resident"]
+                                                   == results["dspx"]["ids_resident"])
 
     if not a.no_reference:
         import llm_reference as R
@@ -185,29 +210,47 @@ def main() -> int:
         results["llama_cpp"] = "skipped: llama-cpp-python is not installed (building it takes ~15 min)"
     results["load_avg_end"] = os.getloadavg()[0]
 
-    d = results["dspx"]
-    rows = [("dspx KV-resident", d["prefill_tok_s_37"], d["prefill_tok_s_256"], d["decode_tok_s_resident"],
-             d["bytes_per_token_resident"]),
-            ("dspx non-resident", "", "", d["decode_tok_s_non_resident"], d["bytes_per_token_non_resident"])]
+    d, h = results["dspx"], results["dspx_f16kv"]
+    lc = results["llama_cpp"]
+    base = lc.get("2 threads") if isinstance(lc, dict) else None
+
+    def ratio(v, key):
+        return f"{v / base[key]:.2f}x" if base else ""
+    rows = [(f"dspx f32 KV (ctx {d['context']})", d["prefill_tok_s_37"], d["prefill_tok_s_256"],
+             d["decode_tok_s_resident"], d["decode_tok_s_end_of_context"], d["bytes_per_token_resident"]),
+            (f"dspx f16 KV (ctx {h['context']})", h["prefill_tok_s_37"], h["prefill_tok_s_256"],
+             h["decode_tok_s_resident"], h["decode_tok_s_end_of_context"], h["bytes_per_token_resident"]),
+            ("dspx f32 KV non-resident", "", "", d["decode_tok_s_non_resident"], "",
+             d["bytes_per_token_non_resident"])]
     if "reference" in results:
         r = results["reference"]
         rows.append(("numpy float32 reference", r["prefill_tok_s_37"], r["prefill_tok_s_256"], r["decode_tok_s"],
-                     ""))
-    print()
-    print(f"{'':26s} {'prefill 37':>11s} {'prefill 256':>12s} {'decode':>9s} {'bytes/token':>12s}")
-    for name, p1, p2, dd, b in rows:
-        print(f"{name:26s} {p1!s:>11s} {p2!s:>12s} {dd!s:>9s} {b if b == '' else f'{b:,}':>12s}")
-    print(f"(tok/s; decode = {n} greedy tokens from position 37; KV-resident / non-resident = "
-          f"{d['resident_speedup']}x, same tokens: {d['same_tokens']}; logits read: "
-          f"{d['logits_bytes_per_token']:,} bytes/token in both modes)")
-    if "compile_s" in results:
-        print(f"compile: {results['compile_s']} s; load (modules + weights): {results['load_s']} s")
-    lc = results["llama_cpp"]
+                     "", ""))
     if isinstance(lc, dict):
         for th, r in lc.items():
-            print(f"{'llama.cpp, ' + th:26s} {r['prefill_tok_s_37']!s:>11s} {r['prefill_tok_s_256']!s:>12s} "
-                  f"{r['decode_tok_s']!s:>9s}")
-    else:
+            rows.append(("llama.cpp, " + th, r["prefill_tok_s_37"], r["prefill_tok_s_256"], r["decode_tok_s"], "",
+                         ""))
+    print()
+    print(f"{'':28s} {'prefill 37':>11s} {'prefill 256':>12s} {'decode':>9s} {'decode@end':>11s} "
+          f"{'bytes/token':>12s}")
+    for name, p1, p2, dd, de, b in rows:
+        print(f"{name:28s} {p1!s:>11s} {p2!s:>12s} {dd!s:>9s} {de!s:>11s} {b if b == '' else f'{b:,}':>12s}")
+    for name, x in (("f32 KV", d), ("f16 KV", h)):
+        if base:
+            x["vs_llama_cpp_2t"] = {k: round(x[k] / base[b], 2) for k, b in (
+                ("prefill_tok_s_37", "prefill_tok_s_37"), ("prefill_tok_s_256", "prefill_tok_s_256"),
+                ("decode_tok_s_resident", "decode_tok_s"))}
+        print(f"dspx {name} / llama.cpp 2 threads: prefill 37 {ratio(x['prefill_tok_s_37'], 'prefill_tok_s_37')} "
+              f"(goal 1.5x), prefill 256 {ratio(x['prefill_tok_s_256'], 'prefill_tok_s_256')} (goal 1.5x), decode "
+              f"{ratio(x['decode_tok_s_resident'], 'decode_tok_s')} (goal 1.2x); decode at the end of the context / "
+              f"at 37: {x['end_of_context_ratio']}x (goal 0.8x)" if base else
+              f"dspx {name}: decode at the end of the context / at 37: {x['end_of_context_ratio']}x (goal 0.8x)")
+    print(f"(tok/s; decode = {n} greedy tokens from position 37, decode@end = {n} tokens ending at the context; "
+          f"KV-resident / non-resident = {d['resident_speedup']}x, same tokens: {d['same_tokens']}; f16 KV tokens "
+          f"== f32 KV tokens: {h['same_tokens_as_f32kv']})")
+    if "compile_s" in results:
+        print(f"compile: {results['compile_s']} s; load (modules + weights): {results['load_s']} s")
+    if not isinstance(lc, dict):
         print(f"llama.cpp: {lc}")
     print(f"load average {results['load_avg_start']:.2f} -> {results['load_avg_end']:.2f} on {results['cpus']} CPUs")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -152,12 +153,20 @@ def test_logits_match_reference(llm, ref, tok):
     pos = np.full((1, 64), -1, np.int64)
     pos[0, :n] = np.arange(n)
     r, _ = llm._infer("prefill", [idarr, pos], True)
-    dev = llm.client.output_view(r.descs[0])[0, :n].copy()
+    out = llm.client.output_view(r.descs[0])[0]
+    # only the last real row's logits are computed (the host reads no other); the rest are zero
+    assert not out[:n - 1].any() and not out[n:].any()
     want = ref.prefill(ids)
-    err = float(np.abs(dev - want).max())
-    print(f"prefill max |Δlogit| {err:.2e} over {n} positions (|logit| up to {np.abs(want).max():.1f})")
+    errs = [float(np.abs(out[n - 1] - want[-1]).max())]
+    # other positions: one prefill per prompt length (KV rows 0..k-1 are rewritten each time)
+    for k in (1, 9, 20, n - 1):
+        got = llm.prefill(ids[:k], 0)
+        errs.append(float(np.abs(got - want[k - 1]).max()))
+        assert int(np.argmax(got)) == int(want[k - 1].argmax())
+    err = max(errs)
+    print(f"prefill max |Δlogit| {err:.2e} at 5 prompt lengths (|logit| up to {np.abs(want).max():.1f})")
     assert err < LOGIT_TOL
-    assert (dev.argmax(-1) == want.argmax(-1)).all()
+    llm.prefill(ids, 0)
     # decode: three steps of KV-resident decode against the reference's decode
     t, p = int(want[-1].argmax()), n
     for _ in range(3):
@@ -381,7 +390,8 @@ def test_chat_longer_than_the_context_shifts_out_the_oldest_turns(llm, tok):
 
     questions = ["What is the capital of France?", "And of Italy?", "Name a large ocean.", "What is 2 + 2?",
                  "Name a primary colour.", "What do bees make?", "Which planet is red?", "What is ice made of?",
-                 "Name a fruit."]
+                 "Name a fruit.", "What is the capital of Spain?", "What colour is the sky?", "Name a big cat.",
+                 "What is 3 + 5?", "What do cows drink?"]
     g = Generator(llm, tok)
     conv = Chat(g)  # the template's default system prompt, kept through every shift
     system_ids = tok.encode("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -392,8 +402,7 @@ def test_chat_longer_than_the_context_shifts_out_the_oldest_turns(llm, tok):
         assert res.ids and res.finish_reason in ("eos", "max_tokens"), (q, res.finish_reason)
         assert res.prompt_tokens + len(res.ids) <= llm.context
         shown.append((q, len(conv.dropped), res.prompt_tokens, res.prefilled, res.text))
-    total = sum(len(tok.encode_chat([{"role": "user", "content": q}, {"role": "assistant", "content": a}]))
-                for q, *_, a in shown)
+    total = len(tok.encode_chat(conv.messages(None, conv.dropped + conv.turns)))  # the whole, unshifted chat
     print(f"\n{len(questions)} turns, {total} tokens of conversation, context {llm.context}:")
     for q, nd, pt, pf, a in shown:
         print(f"  {q!r}: {nd} dropped so far, prompt {pt} tokens ({pf} prefilled) -> {a[:40]!r}")
@@ -407,3 +416,48 @@ def test_chat_longer_than_the_context_shifts_out_the_oldest_turns(llm, tok):
     ids = tok.encode_chat(last)
     assert ids[:len(system_ids)] == system_ids
     assert Generator(llm, tok).generate(last, 24).text == conv.turns[-1].assistant
+
+
+def test_cli_chat_ctrl_c_stops_the_answer_not_the_chat(model_dir):
+    """`dspx chat` with a pipe for stdin/stdout: no prompt is written, SIGINT mid-answer ends that answer
+    ("(answer stopped)"), and the next question is answered from the same chat."""
+    import os
+    import select
+    import signal
+    import subprocess
+
+    dev = Device()
+    p = subprocess.Popen([sys.executable, "-m", "dspx.cli", "chat", "--model", str(model_dir), "--socket", dev.path,
+                          "--max-tokens", "200"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    out = b""
+
+    def read_until(pred, limit=240):
+        nonlocal out
+        deadline = time.monotonic() + limit
+        while not pred(out):
+            assert time.monotonic() < deadline, f"no progress: stdout {out!r}"
+            r, _, _ = select.select([p.stdout], [], [], 1)
+            if r:
+                chunk = os.read(p.stdout.fileno(), 4096)
+                assert chunk, f"chat ended early: {out!r} {p.stderr.read()!r}"
+                out += chunk
+    try:
+        p.stdin.write(b"Write a very long story about a dragon who learns to cook.\n")
+        p.stdin.flush()
+        read_until(lambda o: len(o) > 20)  # the answer is streaming
+        p.send_signal(signal.SIGINT)
+        p.stdin.write(b"What is the capital of France?\n")
+        p.stdin.flush()
+        read_until(lambda o: b"Paris" in o)
+        p.stdin.write(b"/quit\n")
+        p.stdin.flush()
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        dev.stop()
+    assert p.returncode == 0, err
+    assert not out.startswith(b">") and b"\n> " not in out  # no prompt to a pipe
+    assert err.count(b"(answer stopped)") == 1, err
+    assert err.count(b"finish: interrupted") == 1 and err.count(b"finish: eos") == 1, err

@@ -2,7 +2,8 @@
 ``dspx.host.llm`` reads.
 
 A package is a directory: ``prefill.so`` and ``decode.so`` (two modules of
-the ordinary module format), one ``weights.bin`` both take through
+the ordinary module format; optionally ``decode_parallel.so``, the same
+decode entry with multi-threaded GEMVs, chosen by timing at load), one ``weights.bin`` both take through
 MODEL_LOAD, and ``metadata.json`` with ``format: dspx-llm/1``, the model's
 dimensions, the context and prefill chunk, the tokenizer's source, and the
 KV layout: ``2 × layers`` float32 tensors k0, v0, k1, v1, … packed 64-byte
@@ -20,6 +21,7 @@ FORMAT = "dspx-llm/1"
 METADATA_FILE = "metadata.json"
 PREFILL_FILE = "prefill.so"
 DECODE_FILE = "decode.so"
+DECODE_PARALLEL_FILE = "decode_parallel.so"  # the same entry with its GEMVs on all threads (optional)
 WEIGHTS_FILE = "weights.bin"
 CONTEXT = 256  # tokens: the float32 KV of 30 layers fills the 12 MiB KV region
 CHUNK = 64     # prefill tokens per call

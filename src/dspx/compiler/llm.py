@@ -45,7 +45,8 @@ from dspx.compiler.module import (IO_META_NAME, SIGNATURE_NAME, Signature, Tenso
                                   make_io_meta, write_metadata, write_weights)
 from dspx.abi import llmpack
 from dspx.abi.layout import align, desc_region, side_bytes
-from dspx.abi.llmpack import CHUNK, CONTEXT, DECODE_FILE, FORMAT, METADATA_FILE, PREFILL_FILE, WEIGHTS_FILE
+from dspx.abi.llmpack import (CHUNK, CONTEXT, DECODE_FILE, DECODE_PARALLEL_FILE, FORMAT, METADATA_FILE, PREFILL_FILE,
+                              WEIGHTS_FILE)
 
 TN = 64  # output rows per GEMV tile (4 AVX-512 vectors)
 
@@ -324,10 +325,17 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
                         y[0, no * TN + ni] = res[0, no * TN + ni] + acc[ni]
         else:
             @T.prim_func(private=True)
-            def f(x: T.Buffer((M, K), "float32"), q: T.Buffer((N // TN, NB, 16, TN), "uint8"),
+            def f(x: T.Buffer((M, K), "float32"), pos: T.Buffer((1, M), "int64"),
+                  q: T.Buffer((N // TN, NB, 16, TN), "uint8"),
                   dd: T.Buffer((N // TN, NB, TN), "float16"), mm: T.Buffer((N // TN, NB, TN), "float16"),
                   res: T.Buffer((M, N), "float32"), y: T.Buffer((M, N), "float32")):
                 T.func_attr({"tir.noalias": True})
+                # real rows come first (padding has position -1): compute only their 4-row groups
+                nr = T.alloc_buffer((1,), "int32", scope="local")
+                nr[0] = 0
+                for r in range(M):
+                    if pos[0, r] >= 0:
+                        nr[0] = r + 1
                 for no in T.parallel(N // TN):
                     w = T.alloc_buffer((32, TN), "float32", scope="local")
                     acc = T.alloc_buffer((M, TN), "float32", scope="local")
@@ -343,7 +351,7 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
                                 w[j + 16, ni] = (T.Cast("float32", T.shift_right(q[no, b, j, ni], T.uint8(4)))
                                                  * T.Cast("float32", dd[no, b, ni]) + T.Cast("float32", mm[no, b, ni]))
                         # 4 rows x 64 outputs = 16 vector accumulators held in registers
-                        for ro in range(M // 4):
+                        for ro in range((nr[0] + 3) // 4):
                             for ri in T.unroll(4):
                                 for ni in T.vectorized(TN):
                                     a4[ri, ni] = acc[ro * 4 + ri, ni]
@@ -388,35 +396,37 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
                     for ni in T.vectorized(TN):
                         y[0, 0, no * TN + ni] = acc[ni]
         else:
+            # Prefill: the host reads only the last real row's logits, so only that row is
+            # computed (one GEMV, parallel over tiles); the other rows are zero.
             @T.prim_func(private=True)
-            def f(x: T.Buffer((M, K), "float32"), q: T.Buffer((N // TN, NB, 32, TN), "int8"),
+            def f(x: T.Buffer((M, K), "float32"), pos: T.Buffer((1, M), "int64"),
+                  q: T.Buffer((N // TN, NB, 32, TN), "int8"),
                   dd: T.Buffer((N // TN, NB, TN), "float16"), y: T.Buffer((1, M, N), "float32")):
                 T.func_attr({"tir.noalias": True})
+                nr = T.alloc_buffer((1,), "int32", scope="local")
+                nr[0] = 1
+                for r in range(M):
+                    if pos[0, r] >= 0:
+                        nr[0] = r + 1
                 for no in T.parallel(N // TN):
-                    w = T.alloc_buffer((32, TN), "float32", scope="local")
-                    acc = T.alloc_buffer((M, TN), "float32", scope="local")
-                    a4 = T.alloc_buffer((4, TN), "float32", scope="local")
-                    for r in range(M):
-                        for ni in T.vectorized(TN):
-                            acc[r, ni] = T.float32(0)
+                    acc = T.alloc_buffer((TN,), "float32", scope="local")
+                    s = T.alloc_buffer((2, TN), "float32", scope="local")
+                    last = nr[0] - 1
+                    for ni in T.vectorized(TN):
+                        acc[ni] = T.float32(0)
                     for b in range(NB):
-                        for j in range(32):
+                        for h in T.unroll(2):
                             for ni in T.vectorized(TN):
-                                w[j, ni] = T.Cast("float32", q[no, b, j, ni]) * T.Cast("float32", dd[no, b, ni])
-                        for ro in range(M // 4):
-                            for ri in T.unroll(4):
+                                s[h, ni] = T.float32(0)
+                        for j in range(16):
+                            for h in T.unroll(2):
                                 for ni in T.vectorized(TN):
-                                    a4[ri, ni] = acc[ro * 4 + ri, ni]
-                            for k in range(32):
-                                for ri in T.unroll(4):
-                                    for ni in T.vectorized(TN):
-                                        a4[ri, ni] = a4[ri, ni] + w[k, ni] * x[ro * 4 + ri, b * 32 + k]
-                            for ri in T.unroll(4):
-                                for ni in T.vectorized(TN):
-                                    acc[ro * 4 + ri, ni] = a4[ri, ni]
+                                    s[h, ni] = s[h, ni] + T.Cast("float32", q[no, b, 2 * j + h, ni]) * x[last, b * 32 + 2 * j + h]
+                        for ni in T.vectorized(TN):
+                            acc[ni] = acc[ni] + T.Cast("float32", dd[no, b, ni]) * (s[0, ni] + s[1, ni])
                     for r in range(M):
                         for ni in T.vectorized(TN):
-                            y[0, r, no * TN + ni] = acc[r, ni]
+                            y[0, r, no * TN + ni] = T.Select(r == last, acc[ni], T.float32(0))
         return f
 
     @T.prim_func(private=True)
@@ -529,6 +539,7 @@ def _entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv
     wv = {n: relax.Var(n.replace(".", "_"), ty(a.shape, str(a.dtype))) for n, a in weights}
     params = [ids, pos] + kv + list(wv.values())
     xd = ty((M, d.dim), "float32")
+    P = [pos] if M > 1 else []  # prefill GEMMs skip the padding rows
     with bb.function("main", params):
         with bb.dataflow():
             x = bb.emit(relax.call_tir(gv["embed"], [ids, wv["token_embd.q"], wv["token_embd.d"]], xd))
@@ -536,7 +547,7 @@ def _entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv
             for i in range(d.n_layers):
                 b = f"blk.{i}."
                 h = bb.emit(relax.call_tir(gv["rmsnorm"], [x, wv[b + "attn_norm"]], xd))
-                qkv = bb.emit(relax.call_tir(gv["gemv_qkv"], [h, wv[b + "qkv.q"], wv[b + "qkv.d"], wv[b + "qkv.m"],
+                qkv = bb.emit(relax.call_tir(gv["gemv_qkv"], [h, *P, wv[b + "qkv.q"], wv[b + "qkv.d"], wv[b + "qkv.m"],
                                                                 zeros_of(bb, relax, M, d.qkv, "zq")],
                                              ty((M, d.qkv), "float32")))
                 kvo = bb.emit(relax.call_tir_inplace(
@@ -546,18 +557,18 @@ def _entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv
                 vc = bb.emit(relax.TupleGetItem(kvo, 1))
                 new_kv += [kc, vc]
                 att = bb.emit(relax.call_tir(gv["attention"], [qkv, pos, wv["rope.cos"], wv["rope.sin"], kc, vc], xd))
-                x = bb.emit(relax.call_tir(gv["gemv_o"], [att, wv[b + "o.q"], wv[b + "o.d"], wv[b + "o.m"], x], xd))
+                x = bb.emit(relax.call_tir(gv["gemv_o"], [att, *P, wv[b + "o.q"], wv[b + "o.d"], wv[b + "o.m"], x], xd))
                 h = bb.emit(relax.call_tir(gv["rmsnorm"], [x, wv[b + "ffn_norm"]], xd))
-                gu = bb.emit(relax.call_tir(gv["gemv_gate_up"], [h, wv[b + "gate_up.q"], wv[b + "gate_up.d"],
+                gu = bb.emit(relax.call_tir(gv["gemv_gate_up"], [h, *P, wv[b + "gate_up.q"], wv[b + "gate_up.d"],
                                                                     wv[b + "gate_up.m"],
                                                                     zeros_of(bb, relax, M, 2 * d.ffn, "zf")],
                                             ty((M, 2 * d.ffn), "float32")))
                 a = bb.emit(relax.call_tir(gv["silu_mul"], [gu], ty((M, d.ffn), "float32")))
-                x = bb.emit(relax.call_tir(gv["gemv_down"], [a, wv[b + "down.q"], wv[b + "down.d"], wv[b + "down.m"], x],
+                x = bb.emit(relax.call_tir(gv["gemv_down"], [a, *P, wv[b + "down.q"], wv[b + "down.d"], wv[b + "down.m"], x],
                                            xd))
             h = bb.emit(relax.call_tir(gv["rmsnorm"], [x, wv["output_norm"]], xd))
             hq, hd = ("output.q", "output.d") if "output.q" in wv else ("token_embd.q", "token_embd.d")
-            logits = bb.emit(relax.call_tir(gv["lm_head"], [h, wv[hq], wv[hd]], ty((1, M, d.vocab), "float32")))
+            logits = bb.emit(relax.call_tir(gv["lm_head"], [h, *P, wv[hq], wv[hd]], ty((1, M, d.vocab), "float32")))
             out = bb.emit_output(relax.Tuple([logits] + new_kv))
         bb.emit_func_output(out)
     return bb.get()
@@ -644,9 +655,15 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     with prog.stage("weights", f"write {WEIGHTS_FILE}"):
         digest = write_weights(outdir / WEIGHTS_FILE, weights)
     entries = {}
-    for name, M, fname in (("prefill", chunk, PREFILL_FILE), ("decode", 1, DECODE_FILE)):
+    # Decode twice: GEMVs on one thread and on all of them; the host times both
+    # at load and keeps the faster on that machine (two threads lose when the
+    # other CPU is busy: TVM's workers spin on the CPU the IPC needs).
+    builds = [("prefill", chunk, PREFILL_FILE, True), ("decode", 1, DECODE_FILE, parallel_decode_gemv)]
+    if not parallel_decode_gemv:
+        builds.append(("decode_parallel", 1, DECODE_PARALLEL_FILE, True))
+    for name, M, fname, parallel in builds:
         with prog.stage(f"build_{name}", f"build {name} (M={M}) for {target_dict['mcpu']}"):
-            mod = _entry(d, M, weights, parallel_decode_gemv if M == 1 else True)
+            mod = _entry(d, M, weights, parallel)
             record: dict = {}
             with target:
                 mod = _llm_pipeline(target, record)(mod)

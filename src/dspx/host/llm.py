@@ -92,7 +92,8 @@ class DeviceLLM:
     """A compiled LLM loaded on a device (see the module docstring)."""
 
     def __init__(self, model_dir=None, *, client=None, gguf=None, socket: str | None = None,
-                 progress: bool = True, context: int = llmpack.CONTEXT, kv_dtype: str = "float32"):
+                 progress: bool = True, context: int = llmpack.CONTEXT, kv_dtype: str = "float32",
+                 decode_threads: str | None = None):
         from .client import Client
 
         t0 = time.perf_counter()
@@ -115,6 +116,7 @@ class DeviceLLM:
         self.kv_inputs = [(2 + i, off, self.kv_shape, self.kv_dtype) for i, off in enumerate(self.kv_offsets)]
         self.load_warnings: list[str] = []
         self.handles: dict[str, int] = {}
+        self._decode_name = "decode"
         try:
             self._load(progress)
         except BaseException:
@@ -124,6 +126,7 @@ class DeviceLLM:
         self.kv_on_host = False
         self.traffic = Traffic()
         self.last_traffic = Traffic()
+        self.decode_choice = self._choose_decode(decode_threads)
         self.timings = {"load": time.perf_counter() - t0}
 
     def _load(self, progress: bool) -> None:
@@ -133,7 +136,7 @@ class DeviceLLM:
         # not fit beside the 480 MiB staging + KV with the default carveout; the
         # load warns (declared vs allocated) and we declare the real figure
         # (KV-resident: only the logits reach output_buf) before any inference.
-        for name in ("prefill", "decode"):
+        for name in [m for m in ("prefill", "decode", "decode_parallel") if m in mods]:
             elf = (self.dir / mods[name]["module"]).read_bytes()
             with _status(progress, f"loading {name} module ({len(elf) / 1e6:.1f} MB) …"):
                 with warnings.catch_warnings(record=True) as rec:
@@ -159,6 +162,38 @@ class DeviceLLM:
         data = wpath.read_bytes()
         with _status(progress, f"loading weights ({len(data) / 2**20:.1f} MiB, MODEL_LOAD once for both modules) …"):
             self.model_id, self.num_constants = c.load_weights(data)
+
+    def _choose_decode(self, want: str | None) -> dict:
+        """Serial or parallel decode GEMVs: ``want`` ("serial" | "parallel" |
+        "auto", default ``$DSPX_LLM_DECODE`` else auto).  Auto times both
+        modules on a few KV-resident steps here (the machine as it is now: both
+        cores free, or one busy) and keeps the faster; positions 0..7 of the
+        KV are scratch (every prefill rewrites them)."""
+        import os
+
+        want = want or os.environ.get("DSPX_LLM_DECODE", "auto")
+        if want not in ("auto", "serial", "parallel"):
+            raise LLMError(f"decode threads {want!r}: use auto, serial or parallel")
+        if "decode_parallel" not in self.handles:
+            return {"chosen": "serial", "why": "package has no decode_parallel module"}
+        if want != "auto":
+            self._decode_name = "decode" if want == "serial" else "decode_parallel"
+            return {"chosen": want, "why": "asked"}
+        ms = {"decode": [], "decode_parallel": []}
+        for rnd in range(4):  # alternate, first round is warm-up
+            for name in ms:
+                self._decode_name = name
+                t = time.perf_counter()
+                self.decode(1, rnd)
+                if rnd:
+                    ms[name].append((time.perf_counter() - t) * 1e3)
+        med = {k: float(np.median(v)) for k, v in ms.items()}
+        self._decode_name = min(med, key=med.get)
+        self.traffic, self.last_traffic = Traffic(), Traffic()
+        chosen = "serial" if self._decode_name == "decode" else "parallel"
+        log.debug("decode: serial %.1f ms, parallel %.1f ms per step -> %s", med["decode"], med["decode_parallel"],
+                  chosen)
+        return {"chosen": chosen, "serial_ms": round(med["decode"], 2), "parallel_ms": round(med["decode_parallel"], 2)}
 
     # ---------------------------------------------------------------- calls
     def _infer(self, name: str, inputs: list[np.ndarray], resident: bool):
@@ -216,10 +251,10 @@ class DeviceLLM:
         p = np.array([[pos]], np.int64)
         if resident:
             self._to_device_kv()
-            r, t = self._infer("decode", [ids, p], True)
+            r, t = self._infer(self._decode_name, [ids, p], True)
         else:
             self._to_host_kv()
-            r, t = self._infer("decode", [ids, p] + self.host_kv, False)
+            r, t = self._infer(self._decode_name, [ids, p] + self.host_kv, False)
             for i, arr in enumerate(self.host_kv):
                 np.copyto(arr, self.client.output_view(r.descs[1 + i]))
                 t.kv_out_bytes += arr.nbytes
