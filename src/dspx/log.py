@@ -36,13 +36,26 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class _Formatter(logging.Formatter):
+    """``prefix: message`` for info, ``prefix: LEVEL: message`` for the rest."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def format(self, record) -> str:
+        text = super().format(record)
+        level = "" if record.levelno == logging.INFO else f"{record.levelname}: "
+        return f"{self.prefix}: {level}{text}"
+
+
 def setup(verbose: int = 0, level: str | None = None, prefix: str = "dspx") -> logging.Logger:
     lvl = level_of(verbose, level)
     log = logging.getLogger("dspx")
     log.setLevel(lvl)
     if not any(isinstance(h, _StderrHandler) for h in log.handlers):
         h = _StderrHandler()
-        h.setFormatter(logging.Formatter(f"{prefix}: %(levelname)s: %(message)s"))
+        h.setFormatter(_Formatter(prefix))
         log.addHandler(h)
         log.propagate = False
     if verbose or level:  # passed on to the processes this one starts
@@ -52,3 +65,16 @@ def setup(verbose: int = 0, level: str | None = None, prefix: str = "dspx") -> l
 
 def debug_enabled() -> bool:
     return logging.getLogger("dspx").isEnabledFor(logging.DEBUG)
+
+
+def printer(name: str = "device", prefix: str = "dspx-device"):
+    """For a process this one started (the device): ``setup()`` from
+    ``$DSPX_LOG_LEVEL`` with its own prefix, and a ``log(*parts)`` callable —
+    the shape the device's service takes — writing at info level."""
+    logger = setup(prefix=prefix).getChild(name)
+    if not os.environ.get(ENV):
+        logging.getLogger("dspx").setLevel(logging.INFO)  # the device's default: its start-up lines show
+
+    def log(*parts) -> None:
+        logger.info(" ".join(map(str, parts)))
+    return log
