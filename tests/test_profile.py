@@ -124,24 +124,33 @@ def test_profile_without_a_printf_buffer_is_err_invalid(small):
     vm["main"](*ins)  # the connection keeps working
 
 
-def test_a_profiled_module_unloads_fully(small, shared_device, compiled):
+def test_a_profiled_module_unloads_fully(shared_device, compiled):
     """The profiling VM holds the module's library: it must go with the
-    unload, or the next module loaded under the reused memfd path would be
-    the old library again (dlopen returns what is still mapped there)."""
-    vm, ins = small()
-    profile(vm, *ins)
-    c = vm.client
-    vm.close()
-    c.close()
-    other = _vm(shared_device.path, compiled("multi_input"))
+    unload, or a module loaded next under the reused memfd path would be the
+    old library again (dlopen returns what is still mapped there).  Found as:
+    two loads, the second profiled, both unloaded; of two new loads the
+    second ran the old module."""
+    from dspx.host.client import Client
+    old, new = compiled("multi_output"), compiled("multi_input")
+    c = Client(shared_device.path, timeout=60, staging_size=4 * MiB, kv_size=0)
     try:
-        x = [np.full(s["shape"], i + 1, s["dtype"]) for i, s in enumerate(other.metadata["inputs"])]
-        outs = other["main"](*x)
-        outs = outs if isinstance(outs, list) else [outs]
-        assert [list(o.shape) for o in outs] == [s["shape"] for s in other.metadata["outputs"]]
-        rep = profile(other, *x)
+        a, b = VirtualMachine(old, client=c), VirtualMachine(old, client=c)
+        ins = [np.ones(s["shape"], s["dtype"]) for s in b.metadata["inputs"]]
+        for _ in range(2):
+            a["main"](*ins)
+            b["main"](*ins)
+            profile(b, *ins)
+        a.close()
+        b.close()
+        c.close()
+        c = Client(shared_device.path, timeout=60, staging_size=4 * MiB, kv_size=0)
+        vms = [VirtualMachine(new, client=c) for _ in range(2)]
+        x = [np.full(s["shape"], i + 1, s["dtype"]) for i, s in enumerate(vms[0].metadata["inputs"])]
+        for vm in vms:
+            outs = vm["main"](*x)
+            outs = outs if isinstance(outs, list) else [outs]
+            assert [list(o.shape) for o in outs] == [s["shape"] for s in vm.metadata["outputs"]]
+        rep = profile(vms[1], *x)
         assert rep.rows and 0 < rep.total_cycles <= rep.entry_cycles
     finally:
-        c = other.client
-        other.close()
         c.close()

@@ -55,6 +55,13 @@ def _desc(addr: int, arr: np.ndarray) -> P.TensorDesc:
 class Prepared:
     """One validated INFER, ready to run again and again."""
 
+    def __new__(cls, spec, *args):
+        # PROFILE, or a tracing core: the timed run, chosen once per plan (the
+        # plain run() keeps its path, no per-call test)
+        if cls is Prepared and (spec.profile or trace.recorder() is not None):
+            cls = TimedPrepared
+        return super().__new__(cls)
+
     def __init__(self, spec, module, weights, bufs: dict):
         self.spec = spec
         self.module = module
@@ -65,11 +72,9 @@ class Prepared:
         self.resp_cls = P.message_class(spec.resp_type)
         args, reusable = module.prepare(self.inputs, weights)  # the signature check, once
         self.args = args if reusable else None
-        if spec.profile or trace.recorder() is not None:
-            if spec.profile and spec.printf is None:
-                raise InferFailed(Status.ERR_INVALID, "PROFILE needs a printf buffer (SET_PRINTF_BUF): "
-                                                      "the profile rows are written there")
-            self.run = self._run_timed  # this plan only: the untimed run() keeps its path
+        if spec.profile and spec.printf is None:
+            raise InferFailed(Status.ERR_INVALID, "PROFILE needs a printf buffer (SET_PRINTF_BUF): "
+                                                  "the profile rows are written there")
 
     def run(self) -> tuple[int, list, str]:
         """Run the entry (``repeat`` times) and place the outputs; returns
@@ -89,7 +94,7 @@ class Prepared:
         text = "".join(f"run {i}: {c} cycles\n" for i, c in enumerate(per_run)) if repeat > 1 else ""
         return cycles, self._place([np.ascontiguousarray(o) for o in outs], cycles), text
 
-    def _run_timed(self) -> tuple[int, list, str]:
+    def run_timed(self) -> tuple[int, list, str]:
         """run() on the module's TimedVM: every call of the entry timed; the
         rows go to printf (PROFILE) and to the trace (when the core traces)."""
         spec = self.spec
@@ -161,6 +166,10 @@ class Prepared:
             resp.descs_addr = self.spec.result[3]
             resp.descs_size = len(descs) * P.TensorDesc.SIZE
         return resp.encode()
+
+
+class TimedPrepared(Prepared):
+    run = Prepared.run_timed
 
 
 # ------------------------------------------------------------------ timed calls (PROFILE, trace)
