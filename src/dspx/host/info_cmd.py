@@ -126,6 +126,9 @@ def describe(path) -> dict:
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if p.is_dir() and meta.get("format", "").startswith("dspx-llm/"):
         return llm_info(p, meta)
+    if p.is_file() and "modules" in meta:  # one module of an LLM package: its own part of the metadata
+        mine = [m for m in meta["modules"].values() if m.get("module") == p.name]
+        return module_info(p, mine[0] if mine else {})
     from .vm import find_module
     so, meta = find_module(p)
     return module_info(so, meta)
@@ -133,6 +136,11 @@ def describe(path) -> dict:
 
 def _tensor_line(t) -> str:
     return f"{t['name']} {t['dtype']}[{', '.join(map(str, t['shape']))}]"
+
+
+def _tensor_list(ts, first: int = 6) -> str:
+    shown = ", ".join(map(_tensor_line, ts[:first]))
+    return shown + (f", … {len(ts) - first} more (--json lists all)" if len(ts) > first else "")
 
 
 def _human(info: dict) -> list[str]:
@@ -165,14 +173,16 @@ def _human(info: dict) -> list[str]:
              (f", for CPU {info['target_cpu']}" if info.get("target_cpu") else "")]
     if "inputs" in info:
         lines += [f"  entry      {info['entry']}",
-                  "  inputs     " + ", ".join(map(_tensor_line, info["inputs"])),
-                  "  outputs    " + ", ".join(map(_tensor_line, info["outputs"]))]
+                  "  inputs     " + _tensor_list(info["inputs"]),
+                  "  outputs    " + _tensor_list(info["outputs"])]
     io = info["io_meta"]
     lines.append("  io_meta    " + (f"{io['num_inputs']} in / {io['num_outputs']} out, input buffer "
                                     f"{io['input_bytes']:,} bytes, output buffer {io['output_bytes']:,} bytes"
                                     if io else "none (the caller sizes the buffers with reserve_io)"))
     if info.get("io_reserve"):
-        lines.append(f"  io_reserve {info['io_reserve']}")
+        r = info["io_reserve"]
+        lines.append(f"  io_reserve input buffer {r.get('input_bytes', 0):,} bytes, output buffer {r.get('output_bytes', 0):,} bytes "
+                     "(what a KV-resident call really uses)")
     if "weights" in info:
         w = info["weights"]
         lines.append(f"  weights    {w['mode']}" + (f": {w['file']} {fmt.size(w['bytes'] or 0)}, {w['count']} tensors"
