@@ -182,7 +182,7 @@ def _human(info: dict) -> list[str]:
     if info.get("io_reserve"):
         r = info["io_reserve"]
         lines.append(f"  io_reserve input buffer {r.get('input_bytes', 0):,} bytes, output buffer {r.get('output_bytes', 0):,} bytes "
-                     "(what a KV-resident call really uses)")
+                     "(what a call really uses; io_meta declares more)")
     if "weights" in info:
         w = info["weights"]
         lines.append(f"  weights    {w['mode']}" + (f": {w['file']} {fmt.size(w['bytes'] or 0)}, {w['count']} tensors"
