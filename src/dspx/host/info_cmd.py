@@ -60,6 +60,7 @@ def module_info(so: Path, meta: dict) -> dict:
         out.update(entry=meta.get("entry"), inputs=_tensors(meta.get("inputs", [])),
                    outputs=_tensors(meta.get("outputs", [])), io_reserve=meta.get("io_reserve"),
                    target_cpu=(meta.get("target") or {}).get("mcpu"), target=meta.get("target"),
+                   cpu_features=meta.get("cpu_features"), weights_precision=meta.get("weights_precision"),
                    kernel_imports=meta.get("kernel_imports", []), workspace_bytes=meta.get("workspace_bytes"),
                    weights={"mode": w.get("mode"), "file": wfile, "count": w.get("count"),
                             "bytes": (so.parent / wfile).stat().st_size if wfile and (so.parent / wfile).is_file()
@@ -171,6 +172,9 @@ def _human(info: dict) -> list[str]:
         return lines
     lines = [f"{info['file']}: compiled module, {fmt.size(info['size'])}" +
              (f", for CPU {info['target_cpu']}" if info.get("target_cpu") else "")]
+    if info.get("cpu_features"):
+        lines.append(f"  needs      {len(info['cpu_features'])} CPU features on the device: "
+                     + " ".join(info["cpu_features"]))
     if "inputs" in info:
         lines += [f"  entry      {info['entry']}",
                   "  inputs     " + _tensor_list(info["inputs"]),
