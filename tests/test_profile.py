@@ -63,7 +63,9 @@ def test_resnet18_profile_names_every_conv_and_sums_to_the_entry(r18, example_on
     vm = r18
     x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
     want = vm["main"](x)
-    rep = vm.profile(x) if hasattr(VirtualMachine, "profile") else profile(vm, x)
+    # 3 runs summed: one preemption of this busy machine's core between two
+    # calls cannot take the rows below 90 % (measured 98-99 % per run)
+    rep = vm.profile(x, runs=3) if hasattr(VirtualMachine, "profile") else profile(vm, x, runs=3)
     # The profiled call is a real inference: same outputs as the plain one.
     np.testing.assert_allclose(vm.client.output_view(vm.client.infer(vm.module.handle, [x]).descs[0]), want,
                                rtol=1e-5, atol=1e-5)
@@ -71,7 +73,7 @@ def test_resnet18_profile_names_every_conv_and_sums_to_the_entry(r18, example_on
                                 if r.name in ("dspx.kernels.conv2d", "dspx.kernels.conv2d_add"))
     assert convs == _onnx_convs(example_onnx["resnet18"]), rep.table()
     assert sum(convs.values()) == 20  # ResNet-18: stem + 16 in blocks + 3 downsampling 1x1
-    assert all(r.calls == 1 and r.cycles > 0 for r in rep.rows if r.kind == "kernel")
+    assert all(r.calls == 3 and r.cycles > 0 for r in rep.rows if r.kind == "kernel")
     ratio = rep.total_cycles / rep.entry_cycles
     assert 0.9 <= ratio <= 1.0, f"rows sum to {rep.total_cycles} of {rep.entry_cycles} entry cycles ({ratio:.1%})"
     # The table: sorted by time, with shares; JSON with the same numbers.
