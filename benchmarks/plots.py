@@ -37,9 +37,10 @@ def _save(fig, path) -> Path:
     return path
 
 
-def latency(series: dict, path, title: str, baseline: str | None = None, unit: str = "us") -> Path:
+def latency(series: dict, path, title: str, baseline=None, unit: str = "us") -> Path:
     """Distributions of per-call latencies (seconds), one box + points per
-    candidate, medians and ratios to ``baseline`` written beside them."""
+    candidate, medians and ratios to ``baseline`` written beside them
+    (a series name, or f(name) -> the name of that series' baseline)."""
     plt = _plt()
     scale = {"us": 1e6, "ms": 1e3}[unit]
     names = list(series)
@@ -49,11 +50,11 @@ def latency(series: dict, path, title: str, baseline: str | None = None, unit: s
     for i, d in enumerate(data, 1):
         jitter = [i + ((k * 7919) % 100 - 50) / 250 for k in range(len(d))]
         ax.scatter(d, jitter, s=6, alpha=0.35, color="#4C72B0")
-    base = statistics.median(series[baseline]) if baseline in series else None
     labels = []
     for n in names:
         med = statistics.median(series[n])
-        ratio = f", {med / base:.2f}x {baseline}" if base and n != baseline else ""
+        b = baseline(n) if callable(baseline) else baseline
+        ratio = f", {med / statistics.median(series[b]):.2f}x {b}" if b in series and n != b else ""
         labels.append(f"{n}\nmedian {med * scale:,.1f} {unit}{ratio}")
     ax.set_yticks(range(1, len(names) + 1), labels)
     ax.set_xscale("log")
