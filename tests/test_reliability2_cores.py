@@ -138,3 +138,70 @@ def test_a_module_that_brings_its_own_library_is_refused_before_anything_runs(de
         else:
             assert e.value.status_name == "ERR_LOAD" and "RUNPATH" in str(e.value), e.value
     assert not marker.exists()
+
+
+@needs_cc
+@pytest.mark.parametrize("act", ["write_file", "exec", "kill_parent"])
+def test_a_module_constructor_with_no_imports_never_gets_to_act(dev, tmp_path, act):
+    """Raw system calls from a constructor (no import for the checks to see):
+    the forked probe loads it under a seccomp filter, the call ends the probe
+    (SIGSYS), the load is refused and the core never runs it."""
+    marker = tmp_path / "ran"
+    calls = {
+        # openat(AT_FDCWD, marker, O_WRONLY|O_CREAT, 0644)
+        "write_file": f'sc4(257, -100, (long)"{marker}", 0101, 0644);',
+        # execve("/bin/touch", {"touch", marker, 0}, 0)
+        "exec": f'static const char *argv[] = {{"touch", "{marker}", 0}}; sc4(59, (long)"/bin/touch", (long)argv, 0, 0);',
+        # kill(getppid(), SIGKILL): the core
+        "kill_parent": "sc4(62, sc4(110, 0, 0, 0, 0), 9, 0, 0);",
+    }
+    elf = build(tmp_path, act, FAKE_MODULE + """
+        static long sc4(long n, long a, long b, long c, long d) {
+            long r;
+            register long r10 __asm__("r10") = d;
+            __asm__ volatile("syscall" : "=a"(r) : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10) : "rcx", "r11", "memory");
+            return r;
+        }
+        __attribute__((constructor)) static void act(void) { %s }
+    """ % calls[act])
+    cores = {p.pid for p in psutil.Process(dev.proc.pid).children()}
+    with Client(dev.path, staging_size=1 << 20, timeout=60) as c:
+        with pytest.raises(DeviceError) as e:
+            c.load_module(elf)
+        assert e.value.status_name == "ERR_LOAD" and "SIGSYS" in str(e.value), e.value
+        assert c.ping()["version"] == "3.0.0"
+    assert not marker.exists()
+    assert {p.pid for p in psutil.Process(dev.proc.pid).children()} == cores
+
+
+def test_the_core_refuses_exec_and_sockets_to_op_library_code(dev):
+    """Past the import check (op libraries are trusted code), the core's own
+    filter still refuses exec and new sockets: EPERM in the handler."""
+    src = textwrap.dedent("""
+        from numpy.f2py import os  # an escape from the import check
+        from dspx.device.core import runtime as rt
+
+        @rt.register_op(0x3F01)
+        def try_exec(inp, out, tm):
+            try:
+                os.execv("/bin/true", ["true"])
+            except OSError as e:
+                return e.errno
+
+        @rt.register_op(0x3F02)
+        def try_socket(inp, out, tm):
+            import numpy.f2py
+            sock = numpy.f2py.os.sys.modules["socket"]
+            try:
+                sock.socket(sock.AF_INET, sock.SOCK_STREAM)
+            except OSError as e:
+                return e.errno
+            return 0
+    """)
+    with Tasks(socket=dev.path) as u:
+        h, _ = u.load_ops(src)
+        try:
+            assert u.run(0x3F01, u.malloc(4), u.malloc(4)).return_value == 1  # EPERM
+            assert u.run(0x3F02, u.malloc(4), u.malloc(4)).return_value == 1
+        finally:
+            u.unload_ops(h)

@@ -1,9 +1,10 @@
 """The host client: one connection to a device, its dmabufs and its session.
 
 ``Client`` opens the channel (starting a private simulated device when none
-is running), checks the protocol version, attaches the staging buffer (first,
-so it lands at the window base with the KV region at its end) and the printf
-ring, and then offers the calls of the protocol with typed errors.  Every
+is running, refusing a listener of another uid), checks the protocol
+version, attaches the printf ring — and the staging buffer with its KV region
+when first needed, sized to the need (or at open when a size is given) — and
+then offers the calls of the protocol with typed errors.  Every
 wait has a timeout; a device that dies raises ``DeviceLost``.  The rules
 (seqs, error mapping, io capacity and layout) live in ``session``; this
 module does the I/O they call for.

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import io
 import os
+import signal
 
 import numpy as np
 from elftools.elf.elffile import ELFFile
@@ -294,6 +295,9 @@ def _probe(path: str, filename: str) -> None:
     out = probe.in_child(init, PROBE_TIMEOUT_S)
     if out.hung:
         raise OpLoadError(f"{filename}: {INIT_SYMBOL} did not return within {PROBE_TIMEOUT_S} s")
+    if out.signal == signal.SIGSYS:
+        raise OpLoadError(f"{filename}: loading it or its {INIT_SYMBOL} tried a system call the device does not "
+                          "allow (exec, sockets, writing files, signalling others …: SIGSYS)")
     if out.signal:
         raise OpLoadError(f"{filename}: {INIT_SYMBOL} crashed ({out.signal_name})")
     if not out.returned:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+from . import sandbox
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,14 @@ def in_child(fn: Callable[[], object], timeout_s: int) -> Outcome:
         # the child even when it is stuck in native code.
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
         signal.alarm(int(timeout_s))
+        if sandbox.enabled():
+            # Whatever the code tries beyond loading ends this child (SIGSYS):
+            # the load is refused and the core never runs that code.
+            sys.dont_write_bytecode = True  # an import here must not write a .pyc
+            try:
+                sandbox.install_probe()
+            except OSError:
+                pass
         try:
             fn()
         except BaseException:

@@ -23,7 +23,7 @@ from ...abi import protocol as P
 from ...abi.protocol import Status
 from ...transport import Endpoint, PeerClosed
 from .. import jobs
-from . import probe
+from . import probe, sandbox
 from .ops import clip
 
 # Module bytes are loaded once in a forked child before the core maps them
@@ -213,6 +213,9 @@ class CoreWorker:
         if out.hung:
             raise LoadError(f"loading the module hung (no result within {LOAD_PROBE_TIMEOUT_S:.0f} s); "
                             f"it is damaged or not a module for this device")
+        if out.signal == signal.SIGSYS:
+            raise LoadError("loading the module tried a system call the device does not allow (exec, sockets, "
+                            "writing files, signalling others …: SIGSYS); refused before the core ran it")
         if out.signal:
             raise LoadError(f"the module crashed the loader ({out.signal_name}); "
                             f"it is damaged or not a module for this device")
@@ -296,10 +299,24 @@ class CoreWorker:
         if wake:  # the front has work queued behind this call
             jobs.send(self.ep, jobs.Done(rec.job, int(status), seq=rec.seq))
 
+    @staticmethod
+    def _contain() -> None:
+        """Drop what no job needs before the first one (sandbox.install_core):
+        the SDK shim is built and loaded now, while exec is still allowed."""
+        if not sandbox.enabled():
+            return
+        from . import native
+        native.shim()
+        try:
+            sandbox.install_core()
+        except OSError as e:
+            print(f"dspx-core: seccomp filter not installed ({e}); running without it", file=sys.stderr, flush=True)
+
     def serve(self) -> None:
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, self._on_abort)  # before hello: no job can come earlier
         jobs.send(self.ep, jobs.Hello(self.index, os.getpid(), self.ops.op_list(lib=0)))
+        self._contain()
         while True:
             self._running_job = None
             try:
