@@ -214,10 +214,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-n", type=int, default=20000)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "ping.json"))
+    ap.add_argument("--plot", action="store_true", help="also write ping.png: the latency distributions (plot extra)")
     a = ap.parse_args()
-    rows = {"dspx client PING": stats(bench_dspx(a.n)),
-            "bare SEQPACKET ping-pong": stats(bench_seqpacket(a.n)),
-            "multiprocessing.Pipe": stats(bench_pipe(a.n))}
+    samples = {"dspx client PING": bench_dspx(a.n), "bare SEQPACKET ping-pong": bench_seqpacket(a.n),
+               "multiprocessing.Pipe": bench_pipe(a.n)}
+    rows = {k: stats(v) for k, v in samples.items()}
     floor = rows["bare SEQPACKET ping-pong"]["median_us"]
     print(f"{'path':28} {'median µs':>10} {'p99 µs':>10} {'÷ SEQPACKET':>12}")
     for name, r in rows.items():
@@ -232,8 +233,9 @@ def main():
     except Exception as ex:  # no compiler, build failure: the Python rows still stand
         print(f"C rows skipped: {ex}")
     else:
-        c_rows = {"C client PING (libdspx)": stats(d), "bare C PING to the device": stats(e),
-                  "bare C ping-pong (C echo)": stats(f)}
+        samples.update({"C client PING (libdspx)": d, "bare C PING to the device": e, "bare C ping-pong (C echo)": f})
+        c_rows = {k: stats(samples[k]) for k in ("C client PING (libdspx)", "bare C PING to the device",
+                                                 "bare C ping-pong (C echo)")}
         c_floor = c_rows["bare C PING to the device"]["median_us"]
         print(f"\n{'C path':28} {'median µs':>10} {'p99 µs':>10} {'÷ bare C':>12}")
         for name, r in c_rows.items():
@@ -247,6 +249,14 @@ def main():
         json.dump({"n": a.n, "results": rows, "goal_met": goal, "c_goal_met": c_goal, "cpus": os.cpu_count()}, f,
                   indent=2)
     print(f"wrote {a.out}")
+    if a.plot:
+        import plots
+        base = {k: ("bare C PING to the device" if k.startswith(("C client", "bare C")) else "bare SEQPACKET ping-pong")
+                for k in samples}
+        print("wrote", plots.latency({k: [x / 1e9 for x in v] for k, v in samples.items()},
+                                     os.path.splitext(a.out)[0] + ".png",
+                                     f"PING round trip, {a.n} calls each, against the bare socket baselines",
+                                     baseline=base.get))
 
 
 if __name__ == "__main__":
