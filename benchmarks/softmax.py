@@ -69,6 +69,8 @@ def main():
     ap.add_argument("--sizes", default="100000,16777216")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "softmax.json"))
+    ap.add_argument("--plot", action="store_true",
+                    help="also write softmax.png: time by size and path (plot extra; more --sizes, more points)")
     a = ap.parse_args()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,6 +146,14 @@ def main():
                    "loadavg": [load_before[0], load_after[0]], "cpus": os.cpu_count(),
                    "note": "device ms = cycles / 1e6 (1 GHz nominal clock)"}, f, indent=2)
     print(f"wrote {a.out}")
+    if a.plot:
+        import plots
+        keys = [k for k in rows[0] if k.endswith("_ms")]
+        print("wrote", plots.lines([r["floats"] for r in rows],
+                                   {k.removesuffix("_ms").replace("_", " "): [r[k] for r in rows] for k in keys},
+                                   os.path.splitext(a.out)[0] + ".png",
+                                   "softmax: device time (cycles / 1e6) by size and path; numpy/scipy on the host",
+                                   "float32 elements", "ms (median)", logx=True, logy=True))
 
 
 if __name__ == "__main__":
