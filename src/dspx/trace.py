@@ -180,7 +180,7 @@ def _install_host() -> None:
             r = end(self, direction)
             t0 = getattr(self, "_trace_t0", None)
             if t0 is not None and _rec is not None:
-                _rec.complete("copy-in" if direction == memory.SYNC_WRITE else "read descriptors", t0, clock(),
+                _rec.complete("copy-in" if direction == memory.SYNC_WRITE else "sync read", t0, clock(),
                               "host")
             return r
         traced_begin._dspx_traced = True
