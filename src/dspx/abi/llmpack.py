@@ -25,6 +25,9 @@ DECODE_PARALLEL_FILE = "decode_parallel.so"  # the same entry with its GEMVs on 
 WEIGHTS_FILE = "weights.bin"
 CONTEXT = 256  # tokens: the float32 KV of 30 layers fills the 12 MiB KV region
 CHUNK = 64     # prefill tokens per call
+# The longest context whose KV fits the 12 MiB KV region for SmolLM2-135M, per
+# KV dtype (int8 rows carry a float32 scale: 68 bytes per head and position).
+DEFAULT_CONTEXT = {"float32": 256, "float16": 512, "int8": 1024}
 
 
 class PackageError(ValueError):

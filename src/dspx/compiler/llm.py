@@ -81,19 +81,26 @@ class Dims:
 
     @property
     def kv_shape(self) -> tuple[int, int, int, int]:
-        return (1, self.n_kv, self.context, self.head_dim)
+        return (1, self.n_kv, self.context, kv_row(self.head_dim, self.kv_dtype))
 
     @property
     def kv_bytes(self) -> int:
         return int(np.prod(self.kv_shape)) * KV_DTYPES[self.kv_dtype]
 
 
-KV_DTYPES = {"float32": 4, "float16": 2}  # KV cache element type -> bytes
+KV_DTYPES = {"float32": 4, "float16": 2, "int8": 1}  # KV cache element type -> bytes
+
+
+def kv_row(head_dim: int, kv_dtype: str) -> int:
+    """Elements per cached row of one head: int8 rows carry their float32
+    scale in 4 trailing bytes (one scale per head and position)."""
+    return head_dim + 4 if kv_dtype == "int8" else head_dim
 
 
 def kv_region_bytes(n_layers: int, n_kv: int, head_dim: int, context: int, kv_dtype: str) -> int:
     """Bytes the 2 × layers KV tensors take in the KV region (packed, aligned)."""
-    return llmpack.kv_offsets(2 * n_layers, n_kv * context * head_dim * KV_DTYPES[kv_dtype])[1]
+    row = kv_row(head_dim, kv_dtype) * KV_DTYPES[kv_dtype]
+    return llmpack.kv_offsets(2 * n_layers, n_kv * context * row)[1]
 
 
 def largest_context(n_layers: int, n_kv: int, head_dim: int, kv_dtype: str, chunk: int = CHUNK,
@@ -446,6 +453,43 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
                     for e in range(HD):
                         vc[0, g, p, e] = T.Cast(KD, qkv[r, D + HKV * HD + g * HD + e])
     ks["kv_write"] = kv_write
+    RW = HD + 4  # int8 row: 64 values + the float32 scale's 4 bytes
+
+    @T.macro
+    def store_q8(row, c, g, p):
+        # symmetric int8 per (head, position): scale = max|x| / 127, stored bit for bit after the values
+        mx = T.alloc_buffer((1,), "float32", scope="local")
+        mx[0] = T.float32(0)
+        for e in range(HD):
+            mx[0] = T.max(mx[0], T.abs(row[e]))
+        inv = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
+        for e in range(HD):
+            c[0, g, p, e] = T.Cast("int8", T.round(row[e] * inv))
+        bits = T.reinterpret("int32", mx[0] / T.float32(127))
+        for i in range(4):
+            c[0, g, p, HD + i] = T.Cast("int8", T.bitwise_and(T.shift_right(bits, 8 * i), 255))
+
+    @T.prim_func(private=True)
+    def kv_write_q8(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
+                    cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
+                    kc: T.Buffer((1, HKV, C, RW), "int8"), vc: T.Buffer((1, HKV, C, RW), "int8")):
+        T.func_attr({"tir.noalias": True})
+        for r in range(M):
+            p = T.Cast("int32", pos[0, r])
+            if p >= 0 and p < C:
+                for g in range(HKV):
+                    row = T.alloc_buffer((HD,), "float32", scope="local")
+                    for i in range(HALF):
+                        row[2 * i] = (qkv[r, D + g * HD + 2 * i] * cos[p, i]
+                                      - qkv[r, D + g * HD + 2 * i + 1] * sin[p, i])
+                        row[2 * i + 1] = (qkv[r, D + g * HD + 2 * i] * sin[p, i]
+                                          + qkv[r, D + g * HD + 2 * i + 1] * cos[p, i])
+                    store_q8(row, kc, g, p)
+                    for e in range(HD):
+                        row[e] = qkv[r, D + HKV * HD + g * HD + e]
+                    store_q8(row, vc, g, p)
+    if KD == "int8":
+        ks["kv_write"] = kv_write_q8
 
     rows = T.parallel if M > 1 else T.serial
 
@@ -499,6 +543,65 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
                 for e in range(HD):
                     out[r, h * HD + e] = T.float32(0)
     ks["attention"] = attention
+
+    @T.prim_func(private=True)
+    def attention_q8(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
+                     cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
+                     kc: T.Buffer((1, HKV, C, RW), "int8"), vc: T.Buffer((1, HKV, C, RW), "int8"),
+                     out: T.Buffer((M, D), "float32")):
+        T.func_attr({"tir.noalias": True})
+        for rh in rows(M * H):
+            qr = T.alloc_buffer((HD,), "float32", scope="local")
+            sc = T.alloc_buffer((C,), "float32", scope="local")
+            o = T.alloc_buffer((HD,), "float32", scope="local")
+            st = T.alloc_buffer((4,), "float32", scope="local")
+            pp = T.alloc_buffer((C, 16), "float32", scope="local")
+            r = rh // H
+            h = rh % H
+            g = h // G
+            p = T.Cast("int32", pos[0, r])
+            if p >= 0 and p < C:
+                for i in range(HALF):
+                    qr[2 * i] = qkv[r, h * HD + 2 * i] * cos[p, i] - qkv[r, h * HD + 2 * i + 1] * sin[p, i]
+                    qr[2 * i + 1] = qkv[r, h * HD + 2 * i] * sin[p, i] + qkv[r, h * HD + 2 * i + 1] * cos[p, i]
+                st[0] = T.float32(-3.0e38)
+                for t in range(p + 1):
+                    for e in T.vectorized(16):
+                        pp[t, e] = (qr[e] * T.Cast("float32", kc[0, g, t, e])
+                                    + qr[16 + e] * T.Cast("float32", kc[0, g, t, 16 + e])
+                                    + qr[32 + e] * T.Cast("float32", kc[0, g, t, 32 + e])
+                                    + qr[48 + e] * T.Cast("float32", kc[0, g, t, 48 + e]))
+                for t in range(p + 1):
+                    st[1] = T.float32(0)
+                    for e in range(16):
+                        st[1] = st[1] + pp[t, e]
+                    sc[t] = st[1] * T.float32(scale) * T.reinterpret("float32", (
+                        T.bitwise_and(T.Cast("int32", kc[0, g, t, HD]), 255)
+                        | T.shift_left(T.bitwise_and(T.Cast("int32", kc[0, g, t, HD + 1]), 255), 8)
+                        | T.shift_left(T.bitwise_and(T.Cast("int32", kc[0, g, t, HD + 2]), 255), 16)
+                        | T.shift_left(T.Cast("int32", kc[0, g, t, HD + 3]), 24)))
+                    st[0] = T.max(st[0], sc[t])
+                st[2] = T.float32(0)
+                for t in range(p + 1):
+                    sc[t] = T.exp(sc[t] - st[0])
+                    st[2] = st[2] + sc[t]
+                for e in T.vectorized(HD):
+                    o[e] = T.float32(0)
+                for t in range(p + 1):
+                    st[3] = sc[t] * T.reinterpret("float32", (
+                        T.bitwise_and(T.Cast("int32", vc[0, g, t, HD]), 255)
+                        | T.shift_left(T.bitwise_and(T.Cast("int32", vc[0, g, t, HD + 1]), 255), 8)
+                        | T.shift_left(T.bitwise_and(T.Cast("int32", vc[0, g, t, HD + 2]), 255), 16)
+                        | T.shift_left(T.Cast("int32", vc[0, g, t, HD + 3]), 24)))
+                    for e in T.vectorized(HD):
+                        o[e] = o[e] + st[3] * T.Cast("float32", vc[0, g, t, e])
+                for e in range(HD):
+                    out[r, h * HD + e] = o[e] / st[2]
+            else:
+                for e in range(HD):
+                    out[r, h * HD + e] = T.float32(0)
+    if KD == "int8":
+        ks["attention"] = attention_q8
 
     F = d.ffn
 

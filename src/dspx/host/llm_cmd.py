@@ -28,9 +28,9 @@ _common = [
     click.option("--max-time", default=None, type=click.FloatRange(min=0, min_open=True),
                  help="seconds per answer (prefill + decode)"),
     click.option("--context", default=None, type=click.IntRange(min=1),
-                 help="context to compile for when --model is not given (default 256; 512 with --kv-dtype float16)"),
-    click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16"]),
-                 help="KV cache element type when compiling (float16: twice the context)"),
+                 help="context to compile for when --model is not given (default: the most that fits: 256 float32, 512 float16, 1024 int8)"),
+    click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "int8"]),
+                 help="KV cache element type when compiling (float16: 2x the context, int8: 4x)"),
     click.option("--non-resident", is_flag=True,
                  help="ship the KV cache through input/output buffers each token (for comparison)"),
     click.option("--socket", default=None, envvar="DSPX_SOCKET"),
@@ -45,7 +45,8 @@ def common(f):
 
 def _model_args(model_dir, gguf, socket, context, kv_dtype) -> dict:
     if context is None:
-        context = 512 if kv_dtype == "float16" else 256
+        from ..abi.llmpack import DEFAULT_CONTEXT
+        context = DEFAULT_CONTEXT[kv_dtype]
     return dict(model_dir=model_dir, gguf=gguf, socket=socket, context=context, kv_dtype=kv_dtype)
 
 

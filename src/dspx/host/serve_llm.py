@@ -331,8 +331,8 @@ def _command():
                   help="directory from `dspx compile-llm` (default: compile the GGUF into .cache/dspx/llm once)")
     @click.option("--gguf", default=None, type=click.Path(dir_okay=False))
     @click.option("--context", default=None, type=click.IntRange(min=1),
-                  help="context to compile for when --model is not given (default 256; 512 with --kv-dtype float16)")
-    @click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16"]))
+                  help="context to compile for when --model is not given (default: the most that fits: 256 float32, 512 float16, 1024 int8)")
+    @click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "int8"]))
     @click.option("--max-queue", default=16, show_default=True, type=click.IntRange(min=0),
                   help="requests that may wait for the device; more get 503")
     @click.option("--socket", default=None, envvar="DSPX_SOCKET")
@@ -357,7 +357,8 @@ def _command():
             logging.getLogger("dspx").warning("serve-llm listens on %s without --api-key: anyone who can reach "
                                               "it can use the device", host)
         if context is None:
-            context = 512 if kv_dtype == "float16" else 256
+            from ..abi.llmpack import DEFAULT_CONTEXT
+            context = DEFAULT_CONTEXT[kv_dtype]
         click.echo(f"serving the device LLM on http://{host}:{port}/v1 (OpenAI API"
                    f"{', API key required' if api_key else ''}); Ctrl-C stops", err=True)
         serve_llm(host, port, api_key, model_dir=model_dir, gguf=gguf, socket=socket, context=context,
