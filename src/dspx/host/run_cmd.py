@@ -76,10 +76,13 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
     times) and report its outputs and the device time."""
     from .. import fmt
     from .vm import VirtualMachine, find_module
-    from .inputs import specs as input_specs
+    from .inputs import bind, specs as input_specs
 
     _, meta = find_module(module)
-    args, named = _read_inputs(input_specs(meta), inputs, shape, dtype)
+    specs = input_specs(meta)
+    args, named = _read_inputs(specs, inputs, shape, dtype)
+    if specs:  # checked before a device is even opened (the call binds them again: cheap)
+        args, named = bind(specs, args, named, meta.get("entry", "main")), {}
     if trace_path:
         from .. import trace
         trace.start_host(trace_path)  # before the device starts: a private one inherits DSPX_TRACE
