@@ -602,12 +602,13 @@ def test_get_error_text_is_cut_to_fit_a_datagram(front):
 
 def test_pool_status_counts_modules_not_op_libraries(front):
     front.module()
+    front.module()
     h = front.st.new_id()
     front.st.modules[h] = ModuleRec(h, front.conn.cid, 0, 0, "oplib")
     front.st.op_table[1] = ("a", 0, h)
     front.attach(8192)
     (r,) = responses(front(P.PoolStatus()))
-    assert (r.modules, r.op_count, r.connections, r.cores, r.carveout_used) == (1, 1, 1, 2, 8192)
+    assert (r.modules, r.op_count, r.connections, r.cores, r.carveout_used) == (2, 1, 1, 2, 8192)
     assert (r.ddr_total, r.carveout_total, r.l2_total) == (8 * MiB, 64 * MiB, memory.L2_SIZE)
 
 
@@ -872,3 +873,104 @@ def test_no_room_keeps_the_status_message_and_numbers():
     n = Notify(0, jobs.UnloadModule(handle=1))
     e = _NoRoom(n, Reject(S.ERR_NOMEM, "full", oom_requested=5, oom_free=1))
     assert (e.status, str(e), e.numbers, e.undo) == (S.ERR_NOMEM, "full", {"oom_requested": 5, "oom_free": 1}, n)
+
+
+# ---------------------------------------------------------------- refusal texts and plan keys
+
+def _staged_front(front):
+    front.attach(MiB, staging=True)
+    return front
+
+
+REFUSALS = [  # (request builder, status, words the GET_ERROR text must hold)
+    (lambda f, b: P.SetPrintfBuf(printf_dsp_addr=b, printf_size=64, reserved=1), S.ERR_INVALID, "reserved must be zero"),
+    (lambda f, b: P.SetPrintfBuf(printf_dsp_addr=b, printf_size=31), S.ERR_INVALID, "31 bytes is too small (at least 32)"),
+    (lambda f, b: P.SetPrintfBuf(printf_dsp_addr=b + 4000, printf_size=200), S.ERR_ADDR, "printf buffer 0x"),
+    (lambda f, b: P.ModelUnload(model_id=4242), S.ERR_HANDLE, "unknown model id 4242"),
+    (lambda f, b: P.DynUnload(module_handle=4343), S.ERR_HANDLE, "unknown module handle 4343"),
+    (lambda f, b: P.BufDetach(dsp_addr=b + 8), S.ERR_ADDR, "is not the address of a buffer of this connection"),
+    (lambda f, b: P.InferLarge(num_inputs=1, descs_addr=b + 4090, descs_size=80), S.ERR_ADDR, "descriptor table 0x"),
+    (lambda f, b: P.OpsLoad(src_dsp_addr=b, src_size=0), S.ERR_SIZE, "op library of 0 bytes (1..131072)"),
+    (lambda f, b: P.OpsLoad(src_dsp_addr=b + 4000, src_size=200), S.ERR_ADDR, "op library source 0x"),
+    (lambda f, b: P.Rpc(cmd=0x7777, input_dsp_addr=b, input_size=4, output_dsp_addr=b, output_size=4), S.ERR_OP,
+     "no operator registered for command 0x7777"),
+    (lambda f, b: P.DynLoad(elf_size=100), S.ERR_INVALID, "DYN_LOAD: this connection has no staging buffer attached"),
+    (lambda f, b: P.ModelLoad(weights_size=1, flags=1), S.ERR_INVALID, "flags and reserved fields must be zero"),
+]
+
+
+@pytest.mark.parametrize("build,want,words", REFUSALS, ids=[w for *_, w in REFUSALS])
+def test_every_refusal_says_what_and_why(front, build, want, words):
+    base = front.attach(4096)
+    assert status(front(build(front, base))) == want
+    (e,) = responses(front(P.GetError()))
+    assert e.error_status == want and words in e.payload.decode(), e.payload
+
+
+def test_an_op_library_too_big_from_staging_names_its_size(front):
+    _staged_front(front)
+    front(P.DynLoad(elf_size=MAX_OPLIB_SOURCE + 1, flags=P.DYN_LOAD_OP_LIBRARY))
+    (e,) = responses(front(P.GetError()))
+    assert f"op library of {MAX_OPLIB_SOURCE + 1} bytes" in e.payload.decode()
+
+
+def test_plan_keys_differ_with_any_field_but_the_seq(front):
+    base, h = front.attach(4096), front.module()
+    front.conn.bufs[base].region.mm[:80] = _desc(base + 128).encode()
+    large = P.InferLarge(module_handle=h, num_inputs=1, descs_addr=base, descs_size=80, input_dsp_addr=base,
+                         input_size=4096, result_dsp_addr=base, result_size=4096)
+    other = P.InferLarge(**{**{k: getattr(large, k) for k in large.FIELDS}, "module_handle": h + 1})
+    k1 = Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, large.encode())
+    assert k1 != Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, other.encode())
+    large.seq = 99
+    assert Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, large.encode()) == k1
+    # a datagram of the wrong size for INFER_LARGE is keyed as it is (the full check refuses it)
+    short = large.encode()[:64]
+    assert Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, short) == short[:4] + short[8:]
+
+
+def test_a_replayed_call_belongs_to_its_connection(front):
+    job = submitted(_rpc(front))
+    again = submitted(front.h.replay(front.conn, job.plan, 3))
+    assert again.conn is front.conn and again.bufs == job.plan.used
+
+
+def test_dropping_a_module_or_model_twice_is_harmless(front):
+    h = front.module()
+    rec = front.st.modules[h]
+    front.st.drop_module(rec)
+    front.st.drop_module(rec)
+    mid = _model(front, 10)
+    mrec = front.st.models[mid]
+    front.st.drop_model(mrec)
+    front.st.drop_model(mrec)
+    assert h not in front.st.modules and mid not in front.st.models
+    lib = front.st.new_id()
+    front.st.modules[lib] = ModuleRec(lib, 0, 0, 0, "oplib")
+    front.h.unload_ops(front.st.modules[lib])
+    assert front.h.unload_ops(ModuleRec(lib, 0, 0, 0, "oplib"))[0].rec.handle == lib
+
+
+def test_an_op_library_from_staging_answers_with_a_dyn_load_response(front):
+    st = _staged_front(front).conn.staging
+    st.region.mm[:6] = b"x = 1\n"
+    per_core = _per_core(front(P.DynLoad(seq=31, elf_size=6, flags=P.DYN_LOAD_OP_LIBRARY)))
+    assert all(j.bufs == [] and j.run_limit_s == Handlers.OPS_LOAD_LIMIT_S for j in per_core)
+    for j in per_core:
+        actions = j.on_done(jobs.Done(j.rec.job, value=jobs.OpsLoaded([(0x3005, "x", 0)])))
+    (to,) = [a for a in actions if type(a).__name__ == "_To"]
+    r = to.msg
+    assert to.conn is front.conn and isinstance(r, P.DynLoadResp)
+    assert (r.seq, r.status, r.module_handle) == (31, 0, per_core[0].rec.handle)
+    assert front.st.op_table[0x3005][2] == r.module_handle
+
+
+def test_an_op_library_one_core_refused_is_unloaded_by_handle_where_it_loaded(front):
+    base = front.attach(4096)
+    j0, j1 = _per_core(front(P.OpsLoad(seq=4, src_dsp_addr=base, src_size=16)))
+    j0.on_done(jobs.Done(j0.rec.job, value=jobs.OpsLoaded([])))
+    actions = j1.on_done(jobs.Done(j1.rec.job, S.ERR_LOAD, "bad"))
+    (undo,) = [a for a in actions if isinstance(a, Notify)]
+    assert isinstance(undo.rec, jobs.UnloadOps) and undo.rec.handle == j0.rec.handle
+    (to,) = [a for a in actions if type(a).__name__ == "_To"]
+    assert to.conn is front.conn and (to.msg.seq, to.msg.status) == (4, S.ERR_LOAD)
