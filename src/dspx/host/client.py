@@ -23,7 +23,8 @@ import numpy as np
 
 from .. import memory
 from ..abi import layout, protocol as P
-from ..errors import CapacityError, DeviceError, DeviceLost, DeviceTimeout, DspxError, VersionMismatch
+from ..errors import (CapacityError, ClosedError, DeviceError, DeviceLost, DeviceTimeout, DspxError,
+                      VersionMismatch)
 from ..memory import DmaBuf
 from ..abi.protocol import Status
 from ..transport import PeerClosed, Timeout, TransportError, UntrustedPath, connect
@@ -159,7 +160,7 @@ class Client:
     def send(self, msg: P.Message, fds=()) -> int:
         """Send a request; return its seq (for ``wait``)."""
         if self._closed:
-            raise DspxError("client is closed")
+            raise ClosedError("this Client is closed")
         return self._send_bytes(self.session.start(msg), msg.seq, msg.NAME, fds)
 
     def _send_bytes(self, data, seq: int, name: str, fds=()) -> int:
@@ -298,6 +299,8 @@ class Client:
 
     def read_printf(self) -> str:
         """Text the device printed since the last call."""
+        if self._closed:
+            raise ClosedError("this Client is closed")
         if self.printf_buf is None:
             return ""
         data, self._printf_read = layout.ring_read(self.printf_buf.mm, 0, self._printf_read)
@@ -311,6 +314,8 @@ class Client:
 
     # ---------------------------------------------------------------- modules
     def _stage(self, data, what: str) -> int:
+        if self._closed:
+            raise ClosedError("this Client is closed")
         n = len(data)
         if self.staging_limit and n > self.staging_limit:
             raise CapacityError(n, self.staging_limit, what, "staging")
@@ -379,6 +384,8 @@ class Client:
 
     def create_input(self, shape, dtype):
         """An array living in input_buf: passing it to infer skips the copy."""
+        if self._closed:
+            raise ClosedError("this Client is closed")
         dt = np.dtype(dtype)
         off = self.session.io.create_input(int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
         return self.input_buf.array(off, shape, dt)
@@ -401,7 +408,7 @@ class Client:
         FLAG_PROFILE; the printf text (with the profile records) is returned,
         not shown (dspx.host.profile reads it)."""
         if self._closed:
-            raise DspxError("client is closed")
+            raise ClosedError("this Client is closed")
         if kv_inputs or kv_resident:
             self._need_staging(kv=True)
         io = self.session.io
@@ -443,6 +450,8 @@ class Client:
 
     def output_view(self, desc: P.TensorDesc):
         """A numpy view of one output in output_buf (valid until the next inference)."""
+        if self._closed:
+            raise ClosedError("this Client is closed")
         ob = self.output_buf
         if not ob.contains(desc.data_addr, desc.data_size):
             raise DspxError(f"output descriptor 0x{desc.data_addr:x}+{desc.data_size} is outside output_buf")
