@@ -17,8 +17,10 @@ What is measured (wall clock in the host process, medians of --repeat runs):
 - decode at the end of the context: the same N steps at positions
   context-N … context-1 (after prefilling context-N tokens), and its ratio to
   decode at position 37 (goal >= 0.8).
-- both KV dtypes: float32 KV (context 256) and float16 KV (context 512), each
-  its own compiled package and device, one after the other.
+- every KV dtype: float32 (context 256), float16 (512) and int8 (1,024), each
+  its own compiled package and device, one after the other.  Each load picks
+  its decode module (GEMVs on one thread or all) by timing both
+  (``decode_choice``; force with DSPX_LLM_DECODE=serial|parallel).
 - bytes moved per decoded token: bytes the host copies into input_buf
   (tensors + descriptor table) + KV bytes it copies out of output_buf; the
   196,608 bytes of logits read are the same in both modes and listed apart.
@@ -144,9 +146,34 @@ def bench_dspx(model_dir, p37, p256, long_text, n: int, repeat: int, non_residen
         dev["end_of_context_ratio"] = round(dev["decode_tok_s_end_of_context"] / dev["decode_tok_s_resident"], 2)
         dev["logits_bytes_per_token"] = 4 * llm.vocab
         dev["load_warnings"] = llm.load_warnings
+        dev["decode_choice"] = llm.decode_choice
     finally:
         llm.close()
     return dev
+
+
+def decode_by_position(model_dir, first_ids, every: int = 8) -> dict:
+    """--plot: greedy decode from the end of ``first_ids`` to the end of the
+    context, KV-resident and not; tok/s of each step, averaged over ``every``
+    positions: {"positions": [...], "resident": [...], "non_resident": [...]}."""
+    from dspx.host.llm import DeviceLLM
+
+    llm = DeviceLLM(model_dir, progress=False)
+    out = {}
+    try:
+        for mode, resident in (("resident", True), ("non_resident", False)):
+            t = int(np.argmax(llm.prefill(first_ids)))
+            steps = []
+            for pos in range(len(first_ids), llm.context):
+                t0 = time.perf_counter()
+                t = int(np.argmax(llm.decode(t, pos, resident=resident)))
+                steps.append(time.perf_counter() - t0)
+            chunks = [steps[i:i + every] for i in range(0, len(steps), every)]
+            out[mode] = [round(len(c) / sum(c), 1) for c in chunks]
+            out["positions"] = [len(first_ids) + i * every + len(c) // 2 for i, c in enumerate(chunks)]
+    finally:
+        llm.close()
+    return out
 
 
 def main() -> int:
@@ -155,6 +182,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--plot", action="store_true",
+                    help="also decode across the whole context and write llm.png: tok/s by position, "
+                         "KV-resident vs not (plot extra)")
     a = ap.parse_args()
 
     from dspx.compiler.llm import compile_llm, compiled_dir
@@ -173,15 +203,15 @@ def main() -> int:
     assert len(p37) == 37, len(p37)
     text = ("The quick brown fox jumps over the lazy dog while the river runs to the sea. " * 40)
     p256 = tok.encode(text)[:256]
-    long_text = tok.encode(text * 2)
+    long_text = tok.encode(text * 4)
     n = a.decode_tokens
 
     results["dspx"] = bench_dspx(model_dir, p37, p256, long_text, n, a.repeat, non_resident=True)
     results["load_s"] = results["dspx"].pop("load_s")
-    f16_dir = compiled_dir(progress=True, context=512, kv_dtype="float16")
-    results["dspx_f16kv"] = bench_dspx(f16_dir, p37, p256, long_text, n, a.repeat, non_resident=False)
-    results["dspx_f16kv"]["same_tokens_as_f32kv"] = (results["dspx_f16kv"]["ids_resident"]
-                                                   == results["dspx"]["ids_resident"])
+    for key, dtype, ctx in (("dspx_f16kv", "float16", 512), ("dspx_int8kv", "int8", 1024)):
+        results[key] = bench_dspx(compiled_dir(progress=True, context=ctx, kv_dtype=dtype), p37, p256, long_text,
+                                  n, a.repeat, non_resident=False)
+        results[key]["same_tokens_as_f32kv"] = results[key]["ids_resident"] == results["dspx"]["ids_resident"]
 
     if not a.no_reference:
         import llm_reference as R
@@ -210,7 +240,7 @@ def main() -> int:
         results["llama_cpp"] = "skipped: llama-cpp-python is not installed (building it takes ~15 min)"
     results["load_avg_end"] = os.getloadavg()[0]
 
-    d, h = results["dspx"], results["dspx_f16kv"]
+    d, h, q = results["dspx"], results["dspx_f16kv"], results["dspx_int8kv"]
     lc = results["llama_cpp"]
     base = lc.get("2 threads") if isinstance(lc, dict) else None
 
@@ -220,6 +250,8 @@ def main() -> int:
              d["decode_tok_s_resident"], d["decode_tok_s_end_of_context"], d["bytes_per_token_resident"]),
             (f"dspx f16 KV (ctx {h['context']})", h["prefill_tok_s_37"], h["prefill_tok_s_256"],
              h["decode_tok_s_resident"], h["decode_tok_s_end_of_context"], h["bytes_per_token_resident"]),
+            (f"dspx int8 KV (ctx {q['context']})", q["prefill_tok_s_37"], q["prefill_tok_s_256"],
+             q["decode_tok_s_resident"], q["decode_tok_s_end_of_context"], q["bytes_per_token_resident"]),
             ("dspx f32 KV non-resident", "", "", d["decode_tok_s_non_resident"], "",
              d["bytes_per_token_non_resident"])]
     if "reference" in results:
@@ -235,7 +267,7 @@ def main() -> int:
           f"{'bytes/token':>12s}")
     for name, p1, p2, dd, de, b in rows:
         print(f"{name:28s} {p1!s:>11s} {p2!s:>12s} {dd!s:>9s} {de!s:>11s} {b if b == '' else f'{b:,}':>12s}")
-    for name, x in (("f32 KV", d), ("f16 KV", h)):
+    for name, x in (("f32 KV", d), ("f16 KV", h), ("int8 KV", q)):
         if base:
             x["vs_llama_cpp_2t"] = {k: round(x[k] / base[b], 2) for k, b in (
                 ("prefill_tok_s_37", "prefill_tok_s_37"), ("prefill_tok_s_256", "prefill_tok_s_256"),
@@ -246,8 +278,9 @@ def main() -> int:
               f"at 37: {x['end_of_context_ratio']}x (goal 0.8x)" if base else
               f"dspx {name}: decode at the end of the context / at 37: {x['end_of_context_ratio']}x (goal 0.8x)")
     print(f"(tok/s; decode = {n} greedy tokens from position 37, decode@end = {n} tokens ending at the context; "
-          f"KV-resident / non-resident = {d['resident_speedup']}x, same tokens: {d['same_tokens']}; f16 KV tokens "
-          f"== f32 KV tokens: {h['same_tokens_as_f32kv']})")
+          f"KV-resident / non-resident = {d['resident_speedup']}x, same tokens: {d['same_tokens']}; same tokens as "
+          f"f32 KV: f16 {h['same_tokens_as_f32kv']}, int8 {q['same_tokens_as_f32kv']}; decode modules chosen at "
+          f"load: {d['decode_choice']})")
     if "compile_s" in results:
         print(f"compile: {results['compile_s']} s; load (modules + weights): {results['load_s']} s")
     if not isinstance(lc, dict):
@@ -258,6 +291,17 @@ def main() -> int:
     with open(out, "w") as f:
         json.dump(results, f, indent=2)
     print(f"wrote {out}")
+    if a.plot:
+        import plots
+        sweep = decode_by_position(model_dir, p37)
+        results["decode_by_position"] = sweep
+        with open(out, "w") as f:
+            json.dump(results, f, indent=2)
+        print("wrote", plots.lines(sweep["positions"], {"KV-resident": sweep["resident"],
+                                                        "non-resident (KV copied both ways)": sweep["non_resident"]},
+                                   out.removesuffix(".json") + ".png",
+                                   f"SmolLM2-135M decode on the device, f32 KV, context {results['dspx']['context']}",
+                                   "position in the context", "tok/s (8-step mean)"))
     return 0
 
 
