@@ -5,7 +5,12 @@
 Starts its own device (64 MiB window and DDR pool), opens an observer and a
 second "victim" connection whose buffer / staging / KV addresses the fuzzer
 forges, then runs ``--workers`` fuzz connections (one process each, seeds
-seed..seed+workers-1) for ``--messages`` datagrams in total.  Prints and
+seed..seed+workers-1) for ``--messages`` datagrams in total, and beside them
+one process of fd and memory abuse (``--abuse-rounds``, 0 for none): floods
+of connections past the per-process share, buffers past the per-connection
+limit, a window hog past its connection quota, PINGs and attaches carrying
+up to 250 fds, connections abandoned with their buffers attached — every
+answer checked, every refusal the expected status.  Prints and
 writes benchmarks/results/fuzz.json: messages sent, responses by status,
 malformed responses, hangs, crashes, core restarts, and the device's memory
 figures (POOL_STATUS, front fds, RSS) before and after.  Exit status 1 if
@@ -24,6 +29,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # the fuzzer finds its compiled examples through conftest
 
 KEEP = ("carveout_used", "ddr_used", "connections", "modules", "op_count")
 
@@ -42,11 +48,120 @@ def worker(path, modules, seed, count, foreign, front_pid, q):
     q.put(("done", seed, stats.as_dict()))
 
 
+def abuse(path, rounds, q):
+    """fd and memory abuse shapes, each round; report counts and problems."""
+    import socket
+    import struct
+
+    from dspx.abi import protocol as P
+    from dspx.errors import DeviceError
+    from dspx.host.client import Client
+    from dspx.memory import DmaBuf
+
+    hdr = struct.Struct("<IIIi")
+    st = collections.Counter()
+    problems = []
+
+    def expect(cond, what):
+        if not cond:
+            problems.append(what)
+
+    def ping_raw(s, seq, fds=()):
+        st["sent"] += 1
+        try:
+            if fds:
+                socket.send_fds(s, [hdr.pack(P.MsgType.PING, seq, 16, 0)], fds)
+            else:
+                s.send(hdr.pack(P.MsgType.PING, seq, 16, 0))
+            r = s.recv(64)
+        except (ConnectionError, OSError):
+            r = b""
+        return hdr.unpack_from(r) if len(r) >= 16 else None
+
+    devnull = [os.open(os.devnull, os.O_RDONLY) for _ in range(250)]
+    for rnd in range(rounds):
+        # 1. one process past its connection share: newcomers ERR_BUSY or closed, the rest served
+        socks = []
+        for _ in range(200):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            c.connect(path)
+            c.settimeout(30)
+            socks.append(c)
+        for i, c in enumerate(socks):
+            h = ping_raw(c, i + 1)
+            if h is None:
+                st["conn_closed"] += 1
+            elif h[3] == P.Status.ERR_BUSY:
+                st["conn_refused_busy"] += 1
+            else:
+                expect(h[:4] == (0x1001, i + 1, 24, 0), f"round {rnd}: PING on connection {i}: {h}")
+                st["conn_served"] += 1
+        for c in socks:
+            c.close()
+        # 2. PING and BUF_ATTACH carrying 250 fds
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.connect(path)
+        s.settimeout(30)
+        h = ping_raw(s, 7, devnull)
+        expect(h is not None and h[:4] == (0x1001, 7, 24, 0), f"round {rnd}: PING with 250 fds: {h}")
+        socket.send_fds(s, [P.BufAttach(seq=8, size=4096).encode()], devnull)
+        st["sent"] += 1
+        r = s.recv(64)
+        expect(hdr.unpack_from(r)[:4] == (0x1040, 8, 32, P.Status.ERR_INVALID), f"round {rnd}: attach, 250 fds")
+        s.close()
+        # 3. buffers past the per-connection limit, then a window hog past its quota
+        with Client(path, staging_size=0, printf_size=0, timeout=60) as c:
+            bufs = []
+            try:
+                for _ in range(200):
+                    bufs.append(c.alloc(4096))
+                    st["sent"] += 1
+                problems.append(f"round {rnd}: 200 buffers attached")
+            except DeviceError as e:
+                st["sent"] += 1
+                expect(e.status_name == "ERR_NOMEM" and "limit" in str(e), f"round {rnd}: buffers: {e}")
+                st["bufs_refused"] += 1
+            for b in bufs:
+                c.detach(b)
+                st["sent"] += 1
+            big = []
+            try:
+                for _ in range(64):
+                    big.append(c.alloc(4 << 20))
+                    st["sent"] += 1
+                problems.append(f"round {rnd}: 256 MiB attached by one connection")
+            except DeviceError as e:
+                st["sent"] += 1
+                expect(e.status_name == "ERR_NOMEM", f"round {rnd}: hog: {e}")
+                st["hog_refused"] += 1
+            for b in big:
+                c.detach(b)
+                st["sent"] += 1
+        # 4. connections abandoned with buffers attached (the device frees them)
+        for _ in range(4):
+            c = Client(path, staging_size=0, printf_size=0, timeout=60)
+            for _ in range(32):
+                c.alloc(4096)
+                st["sent"] += 1
+            c.ep.close()  # no detach: abandoned
+            for b in c.bufs:
+                b.close()
+        q.put(("progress", -1, st["sent"]))
+    for fd in devnull:
+        os.close(fd)
+    q.put(("done", -1, {"abuse": dict(st), "problems": problems}))
+
+
 def merge(reports):
     out = {"sent": 0, "by_status": collections.Counter(), "by_type": collections.Counter(),
            "by_kind": collections.Counter(), "malformed": 0, "extra_responses": 0, "hangs": 0, "crashes": 0,
            "reconnects": 0, "fds_sent": 0, "max_latency_s": 0.0, "problems": [], "internal_errors": []}
     for r in reports:
+        if "abuse" in r:
+            out["abuse"] = r["abuse"]
+            out["sent"] += r["abuse"].get("sent", 0)
+            out["problems"] += r["problems"]
+            continue
         for k in ("sent", "malformed", "extra_responses", "hangs", "crashes", "reconnects", "fds_sent"):
             out[k] += r[k]
         for k in ("by_status", "by_type", "by_kind"):
@@ -65,6 +180,7 @@ def main() -> int:
     ap.add_argument("--messages", type=int, default=1_000_000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--abuse-rounds", type=int, default=20, help="rounds of fd and memory abuse (0: none)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fuzz.json"))
     a = ap.parse_args()
 
@@ -88,11 +204,19 @@ def main() -> int:
                                                                       per + (a.messages % a.workers if i == 0 else 0),
                                                                       foreign, dev.proc.pid, q))
                  for i in range(a.workers)]
+        if a.abuse_rounds:
+            procs.append(mp.get_context("fork").Process(target=abuse, args=(dev.path, a.abuse_rounds, q)))
         for p in procs:
             p.start()
         reports, sent = [], {}
+        import queue
         while len(reports) < len(procs):
-            kind, seed, payload = q.get(timeout=3600)
+            try:
+                kind, seed, payload = q.get(timeout=5)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):  # a worker died without its report
+                    raise RuntimeError("a fuzz worker ended without reporting (see its traceback above)")
+                continue
             if kind == "progress":
                 sent[seed] = payload
                 el = time.monotonic() - t0
@@ -113,6 +237,8 @@ def main() -> int:
                    pools_before={k: before[k] for k in KEEP + ("rss_bytes",)},
                    pools_after={k: after[k] for k in KEEP + ("rss_bytes",)},
                    fds_front_before=fp_before["fds_front"], fds_front_after=fp_after["fds_front"],
+                   fds_device_before=fp_before["fds"], fds_device_after=fp_after["fds"],
+                   rss_device_before=fp_before["rss"], rss_device_after=fp_after["rss"],
                    core_restarts=len(set(fp_after["cores"]) - set(fp_before["cores"])),
                    device_log_tail=dev.output()[-2000:])
         victim.close()
@@ -120,6 +246,7 @@ def main() -> int:
     finally:
         dev.stop()
     ok = (res["malformed"] == res["extra_responses"] == res["hangs"] == res["crashes"] == 0 and res["device_alive"]
+          and not res["problems"]
           and all(res["pools_before"][k] == res["pools_after"][k] for k in KEEP)
           and res["fds_front_before"] == res["fds_front_after"] and res["core_restarts"] == 0)
     res["ok"] = ok
@@ -135,7 +262,12 @@ def main() -> int:
           f"crashes {res['crashes']}  core restarts {res['core_restarts']}  reconnects {res['reconnects']}  "
           f"fds sent {res['fds_sent']}  max latency {res['max_latency_s']} s")
     print(f"  pools before {res['pools_before']}\n  pools after  {res['pools_after']}")
-    print(f"  front fds {res['fds_front_before']} -> {res['fds_front_after']}; PING after: {res['ping_after']}")
+    if "abuse" in res:
+        print(f"  abuse: {res['abuse']}")
+    print(f"  front fds {res['fds_front_before']} -> {res['fds_front_after']}, front + cores "
+          f"{res['fds_device_before']} -> {res['fds_device_after']}; RSS front + cores "
+          f"{res['rss_device_before'] / 2**20:.1f} -> {res['rss_device_after'] / 2**20:.1f} MiB; "
+          f"PING after: {res['ping_after']}")
     for p in res["problems"][:10]:
         print("  problem:", p)
     for p in res["internal_errors"][:10]:
