@@ -123,3 +123,15 @@ def test_several_entries(shared_device, client_of, compiled, example_onnx, tmp_p
         np.testing.assert_allclose(v["second"](**feeds), _ort(example_onnx["multi_input"], feeds)[0], atol=1e-3)
         with pytest.raises(InputError, match="second has no input 'x'"):
             v["second"](x=X)
+
+
+def test_client_calls_after_close_are_a_clear_error(shared_device):
+    from dspx.host.client import Client
+
+    c = Client(shared_device.path, staging_size=1 << 20, kv_size=0)
+    c.reserve_io(4096, 4096, 1)
+    c.close()
+    for call in (c.ping, c.status, c.read_printf, lambda: c.create_input((2,), "float32"), lambda: c.alloc(64),
+                 lambda: c.load_module(b"\x7fELF"), lambda: c.infer(1, [np.zeros(2, np.float32)])):
+        with pytest.raises(ClosedError, match="Client is closed"):
+            call()
