@@ -490,3 +490,29 @@ def test_a_library_that_exits_on_core_1_only_is_refused_and_unloaded_everywhere(
         assert u.run(0x3E01, u.malloc(4), u.malloc(4), core=1).return_value == 9
     time.sleep(0.5)
     assert dev.output().count("core 1 died") == before + 1
+
+
+def test_serve_says_where_it_listens_and_ctrl_c_stops_it_quietly(tmp_path):
+    """Ctrl-C reaches the whole process group (front and cores): the device
+    stops cleanly, removes its socket, and logs no core death or restart."""
+    path = str(tmp_path / "d" / "dsp0.sock")
+    log = open(tmp_path / "device.log", "w+b")
+    proc = subprocess.Popen([sys.executable, "-m", "dspx.device", "--socket", path, "--cores", "2"],
+                            stdout=log, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "listening on" not in (text := open(tmp_path / "device.log").read()):
+            assert proc.poll() is None and time.monotonic() < deadline, text
+            time.sleep(0.01)
+        assert f"listening on {path} with 2 core(s)" in text
+        with Tasks(socket=path) as u:  # a connection open at the time
+            u.client.ping()
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = open(tmp_path / "device.log").read()
+    assert "died" not in text and "restart" not in text and "Traceback" not in text, text
+    assert not os.path.exists(path)
