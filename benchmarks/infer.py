@@ -431,6 +431,7 @@ def bench_model(label: str, module: Path, onnx: Path, sock: str, threads: int, r
                  "ort": ort_w.run}
         times, per_round = interleave(cands, runs, batch)
         res = {k: summarize(v) for k, v in times.items()}
+        res["samples_s"] = times  # every call, for --plot
         res["ratios_paired"] = {"vm/tvm": paired(per_round, "vm", "tvm"),
                                 "nocopy/tvm": paired(per_round, "nocopy", "tvm"),
                                 "vm/ort": paired(per_round, "vm", "ort"),
@@ -469,6 +470,8 @@ def main(argv=None) -> None:
     ap.add_argument("--worker", choices=["tvm", "ort", "front"], help=argparse.SUPPRESS)
     ap.add_argument("--target", help=argparse.SUPPRESS)
     ap.add_argument("--breakdown", action="store_true", help="also time each leg of a device call")
+    ap.add_argument("--plot", action="store_true", help="also write infer-<model>.png latency distributions "
+                                                        "(plot extra; per-layer bars: benchmarks/profile.py --plot)")
     ap.add_argument("--models", default="resnet18,resnet50,shufflenet",
                     help="comma-separated: resnet18 (dspx example) and light models of the onnx wheel "
                          "(resnet50, shufflenet, densenet121, ...; re-weighted at random)")
@@ -602,6 +605,13 @@ def main(argv=None) -> None:
     print("goals: ResNet-18 vm/tvm <= 1.03, nocopy/tvm <= 1.01 and below vm/tvm (paired); device/ORT: "
           "ResNet-18 <= 1.0, ResNet-50 <= 1.1; nocopy no slower than vm; ResNet-50 compile <= 60 s")
     print(f"JSON: {path.relative_to(ROOT)}")
+    if a.plot:
+        import plots
+        for key, r in report.items():
+            if isinstance(r, dict) and "samples_s" in r:
+                print("plot:", plots.latency(r["samples_s"], RESULTS / f"infer-{key}.png",
+                                             f"{r['label']}: latency per call against TVM in-process and "
+                                             f"onnxruntime ({a.threads} threads)", baseline="tvm", unit="ms"))
 
 
 if __name__ == "__main__":
