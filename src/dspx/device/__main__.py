@@ -36,7 +36,8 @@ def main(argv=None) -> int:
     trace.install_front()
     if a.cores < 1:
         ap.error("--cores must be at least 1")
-    log = (lambda *m: None) if a.quiet else (lambda *m: print("dspx-device:", *m, file=sys.stderr, flush=True))
+    from ..log import printer  # the host's logging setup; the level from $DSPX_LOG_LEVEL (dspx -v / --log-level)
+    log = (lambda *m: None) if a.quiet else printer()
     try:
         svc = Service(a.socket or default_socket_path(), a.carveout_size, a.ddr_pool_size, a.cores, a.threads,
                       a.parent_pid, log, a.job_timeout, a.conn_memory)
