@@ -159,7 +159,9 @@ def _install_host() -> None:
     from .host import client, session, tasks, vm
 
     C = client.Client
-    _wrap(C, "infer", "infer", "host", top=True)
+    _wrap(C, "infer", "infer", "host", top=True,
+          args=lambda self, handle, inputs, *a, **k: {"module": handle, "input_bytes": sum(x.nbytes for x in inputs),
+                                                      "kv_resident": bool(k.get("kv_resident"))})
     _wrap(C, "request", lambda self, msg, *a, **k: f"request {msg.NAME}", "host", top=True)
     _wrap(C, "load_module", "load module", "host", top=True)
     _wrap(C, "load_weights", "load weights", "host", top=True)
@@ -186,6 +188,7 @@ def _install_host() -> None:
         traced_begin._dspx_traced = True
         memory.DmaBuf.begin_cpu_access, memory.DmaBuf.end_cpu_access = traced_begin, traced_end
     # copy-out: a VM call copies its outputs out of output_buf after the infer
+    _install_llm()
     orig_getitem = vm.VirtualMachine.__getitem__
     if getattr(orig_getitem, "_dspx_traced", False):
         return
@@ -204,6 +207,40 @@ def _install_host() -> None:
         return call
     getitem._dspx_traced = True
     vm.VirtualMachine.__getitem__ = getitem
+
+
+def _install_llm() -> None:
+    """DeviceLLM.prefill / decode as spans with the bytes the host moved."""
+    try:
+        from .host import llm
+    except Exception:  # noqa: BLE001 - without the llm extra there is nothing to trace
+        return
+
+    def traced(orig, what):
+        @functools.wraps(orig)
+        def call(self, *a, **k):
+            before = self.traffic.to_json()
+            t0 = clock()
+            try:
+                return orig(self, *a, **k)
+            finally:
+                after = self.traffic.to_json()
+                args = {key: after[key] - before[key] for key in after}
+                if what == "prefill":
+                    args.update(tokens=len(a[0]) if a else len(k.get("ids", ())), start=a[1] if len(a) > 1 else
+                                k.get("start", 0))
+                else:
+                    args.update(pos=a[1] if len(a) > 1 else k.get("pos"),
+                                resident=a[2] if len(a) > 2 else k.get("resident", True))
+                _rec.complete(what, t0, clock(), "host", args)
+                _rec.flush()
+        call._dspx_traced = True
+        return call
+
+    for what in ("prefill", "decode"):
+        orig = llm.DeviceLLM.__dict__.get(what)
+        if orig is not None and not getattr(orig, "_dspx_traced", False):
+            setattr(llm.DeviceLLM, what, traced(orig, what))
 
 
 def merge(path, since: float = 0.0) -> dict:

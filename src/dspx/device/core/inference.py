@@ -118,7 +118,8 @@ class Prepared:
             if rec is not None:
                 rec.complete(f"entry {self.module.entry}", t0, t1, "entry")
                 for kind, name, shapes, c0, c1 in calls:
-                    rec.complete(name, c0, c1, kind, {"shapes": shapes})
+                    if kind != "vm":  # built-ins (thousands per LLM step) only in the profile's rows
+                        rec.complete(name, c0, c1, kind, {"shapes": shapes})
         cycles = per_run[0] if len(per_run) == 1 else int(statistics.median(per_run))
         text = "".join(f"run {i}: {c} cycles\n" for i, c in enumerate(per_run)) if len(per_run) > 1 else ""
         if spec.profile:
