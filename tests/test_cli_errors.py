@@ -159,3 +159,26 @@ def test_log_level_reaches_the_logger():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "dspx: DEBUG: traceback of the error below" in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: no device is listening")
+
+
+@pytest.mark.parametrize("level, shown", [(None, True), ("warning", False)])
+def test_log_level_reaches_the_device(level, shown, tmp_path):
+    """One logging setup: `dspx serve --log-level` sets the device's level too."""
+    from dspx.transport import is_listening
+
+    sock = str(tmp_path / "dev.sock")
+    os.chmod(tmp_path, 0o700)
+    extra = ["--log-level", level] if level else []
+    env = {k: v for k, v in os.environ.items() if k != "DSPX_LOG_LEVEL"}
+    p = subprocess.Popen([*DSPX, "serve", "--socket", sock, "--carveout-size", "64M", *extra], env=env,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not is_listening(sock) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert is_listening(sock)
+    finally:
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+    assert ("dspx-device: listening on" in err) is shown, err
+    assert "Traceback" not in err
