@@ -156,3 +156,31 @@ def test_a_profiled_module_unloads_fully(shared_device, compiled):
         assert rep.rows and 0 < rep.total_cycles <= rep.entry_cycles
     finally:
         c.close()
+
+
+def test_dspx_run_profile_json_and_trace(tmp_path, compiled):
+    """The CLI: `dspx run DIR --profile --json --trace OUT` on a private device
+    (started by the command, so it traces too)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    d = compiled("multi_output")
+    meta = json.loads((d / "metadata.json").read_text())
+    np.save(tmp_path / "x.npy", np.ones(meta["inputs"][0]["shape"], meta["inputs"][0]["dtype"]))
+    env = {k: v for k, v in os.environ.items() if k not in ("DSPX_SOCKET", "DSPX_TRACE")}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)  # no shared device there: the command starts its own
+    r = subprocess.run([sys.executable, "-m", "dspx.cli", "run", str(d), "-i", str(tmp_path / "x.npy"), "--profile",
+                        "--json", "--trace", str(tmp_path / "t.json")], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    prof = out["profile"]
+    assert prof["runs"] == 1 and prof["rows"] and {row["kind"] for row in prof["rows"]} >= {"tvm", "vm"}
+    assert 0 < prof["rows_cycles"] <= prof["entry_cycles"]
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    procs = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert procs == {"host", "device front", "device core 0"}
+    names = {e["name"] for e in events if e["ph"] == "X"}
+    assert {"infer", "receive", "call job", "entry main"} <= names
