@@ -55,3 +55,29 @@ def test_errors_are_json_for_programs(tmp_path):
     assert r.returncode == 1
     out = json.loads(r.stdout)
     assert out["status"] == "error" and "no device is listening" in out["message"]
+
+
+def test_status_and_ops_say_when_the_answer_came_from_a_private_device(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "DSPX_SOCKET"}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)  # nothing listens at the default path there
+    for cmd in ("status", "ops"):
+        r = subprocess.run([*DSPX, cmd], capture_output=True, text=True, timeout=60, env=env)
+        assert r.returncode == 0 and "private device started for this command" in r.stdout.splitlines()[0], r.stdout
+        r = subprocess.run([*DSPX, cmd, "--json"], capture_output=True, text=True, timeout=60, env=env)
+        out = json.loads(r.stdout)
+        assert out["private_device"] is True and "private device" in out["note"]
+    sock = str(tmp_path / "dev.sock")
+    proc = subprocess.Popen([*DSPX, "serve", "--socket", sock, "--carveout-size", "64M"], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not is_listening(sock):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        for cmd in ("status", "ops"):
+            r = subprocess.run([*DSPX, cmd, "--socket", sock], capture_output=True, text=True, timeout=60, env=env)
+            assert r.returncode == 0 and "private" not in r.stdout
+            assert json.loads(subprocess.run([*DSPX, cmd, "--json", "--socket", sock], capture_output=True,
+                                             text=True, timeout=60, env=env).stdout)["private_device"] is False
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(15)
