@@ -71,10 +71,11 @@ class DspxGroup(click.Group):
         for p in cmd.params:
             if p.name == "socket" and isinstance(p, click.Option) and not p.help:
                 p.help = SOCKET_HELP
-        cmd.params += [click.Option(["-v", "--verbose"], count=True, help="more log output (-vv: debug)"),
-                       click.Option(["--log-level"], type=click.Choice(log.LEVELS, case_sensitive=False),
-                                    help="log level (default: warning, or $DSPX_LOG_LEVEL)")]
-        cmd.callback = _with_logging(cmd.callback)
+        if not any(p.name == "log_level" for p in cmd.params):  # once, if a command is added twice
+            cmd.params += [click.Option(["-v", "--verbose"], count=True, help="more log output (-vv: debug)"),
+                           click.Option(["--log-level"], type=click.Choice(log.LEVELS, case_sensitive=False),
+                                        help="log level (default: warning, or $DSPX_LOG_LEVEL)")]
+            cmd.callback = _with_logging(cmd.callback)
         super().add_command(cmd, name)
 
     def invoke(self, ctx: click.Context):
