@@ -97,8 +97,12 @@ def _wrap(cls, attr: str, name, cat: str, top: bool = False, args=None) -> None:
         try:
             return orig(*a, **k)
         finally:
-            rec.complete(name(*a, **k) if callable(name) else name, t0, clock(), cat,
-                         args(*a, **k) if args else None)
+            t1 = clock()
+            try:
+                label, extra = (name(*a, **k) if callable(name) else name), (args(*a, **k) if args else None)
+            except Exception:  # noqa: BLE001 - an unexpected call shape must not change the call's outcome
+                label, extra = attr, None
+            rec.complete(label, t0, t1, cat, extra)
             if top:
                 rec.flush()
 
