@@ -516,3 +516,47 @@ def test_serve_says_where_it_listens_and_ctrl_c_stops_it_quietly(tmp_path):
     text = open(tmp_path / "device.log").read()
     assert "died" not in text and "restart" not in text and "Traceback" not in text, text
     assert not os.path.exists(path)
+
+
+HANG_ON_CORE1 = textwrap.dedent("""
+    from numpy.f2py import os
+    from dspx.device.core import runtime as rt
+    fd = os.open("/proc/self/cmdline", 0)
+    args = os.read(fd, 4096).split(b"\\0")
+    os.close(fd)
+    if args[args.index(b"--index") + 1] == b"1":
+        while True:
+            try:
+                while True:
+                    pass
+            except BaseException:
+                if STUBBORN:
+                    continue
+                raise
+
+    @rt.register_op(0x3E02)
+    def op(inp, out, tm):
+        return 5
+""")
+
+
+@pytest.mark.parametrize("stubborn", [False, True])
+def test_a_library_that_hangs_at_import_on_one_core_is_refused_everywhere(stubborn):
+    d = Device("--carveout-size", "64M", "--cores", "2", "--job-timeout", "0.5")
+    try:
+        with Tasks(socket=d.path) as u:
+            t0 = time.monotonic()
+            with pytest.raises(DeviceError) as e:
+                u.load_ops(f"STUBBORN = {stubborn}\n" + HANG_ON_CORE1)
+            took = time.monotonic() - t0
+            assert str(e.value).split(": ", 1)[1].startswith("core 1:"), e.value
+            if stubborn:  # it would not stop: its core was killed and restarted
+                assert e.value.status_name == "ERR_TIMEOUT" and "restarted" in str(e.value), e.value
+            else:  # interrupted in its own code
+                assert e.value.status_name == "ERR_LOAD" and "time limit" in str(e.value), e.value
+            assert took < 10, f"refused after {took:.1f} s (limit 0.5 s)"
+            assert 0x3E02 not in [o["cmd"] for o in u.ops()]
+            with pytest.raises(DeviceError):
+                u.run(0x3E02, u.malloc(4), u.malloc(4), core=0)
+    finally:
+        d.stop()

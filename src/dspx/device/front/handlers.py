@@ -498,8 +498,8 @@ class Handlers:
     # An op library is loaded on every core at once (any core may run any
     # command id) and installed only if every core took it: one that fails
     # anywhere — an exception, a crash or exit of its core, a hang past
-    # OPS_LOAD_LIMIT_S — is unloaded from the cores that did take it and
-    # refused, naming the core.
+    # OPS_LOAD_LIMIT_S (or --job-timeout, if shorter) — is unloaded from the
+    # cores that did take it and refused, naming the core.
     OPS_LOAD_LIMIT_S = 20.0
 
     def _load_ops(self, conn, req, source: bytes, filename: str) -> list:
@@ -508,6 +508,7 @@ class Handlers:
         handle = self.st.new_id()
         results: dict[int, jobs.Done] = {}
         cores = range(self.cores.count)
+        limit = min(self.OPS_LOAD_LIMIT_S, self.job_timeout_s or self.OPS_LOAD_LIMIT_S)
 
         def finished() -> list:
             bad = [(i, r) for i, r in sorted(results.items()) if r.status != S.SUCCESS]
@@ -536,7 +537,7 @@ class Handlers:
         # The device's own jobs (no connection): a client that closes meanwhile
         # does not leave a library on some cores only.
         return [Submit(FrontJob(jobs.LoadOps(handle=handle, source=source, filename=filename), None, None, i, [],
-                                on(i), run_limit_s=self.OPS_LOAD_LIMIT_S)) for i in cores]
+                                on(i), run_limit_s=limit)) for i in cores]
 
     def replay_ops(self, core: int) -> list:
         """A restarted core gets every op library again, before anything else
