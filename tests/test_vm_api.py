@@ -135,3 +135,10 @@ def test_client_calls_after_close_are_a_clear_error(shared_device):
                  lambda: c.load_module(b"\x7fELF"), lambda: c.infer(1, [np.zeros(2, np.float32)])):
         with pytest.raises(ClosedError, match="Client is closed"):
             call()
+
+
+def test_a_tvm_device_argument_is_taken_as_tvm_code_passes_it(shared_device, compiled, example_onnx):
+    import tvm
+
+    with VirtualMachine(compiled("multi_output"), tvm.cpu(), socket=shared_device.path) as v:
+        np.testing.assert_allclose(v["main"](X)[0], _ort(example_onnx["multi_output"], {"x": X})[0], atol=TOL)

@@ -95,6 +95,8 @@ class _Entry:
 class VirtualMachine:
     def __init__(self, module, client: Client | None = None, *, socket: str | None = None, **client_opts):
         so, self.metadata = find_module(module)
+        if client is not None and not hasattr(client, "load_module"):
+            client = None  # TVM's device argument (tvm.cpu()): here the device is the DSP
         self._own_client = client is None
         self.client = client or Client(socket, **client_opts)
         self.model_id = 0
