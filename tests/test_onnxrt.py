@@ -61,3 +61,10 @@ def test_second_session_loads_from_the_cache(sessions, shared_device):
         assert not again.compiled_now and again.module_dir == ours.module_dir
         x = np.ones((2, 32), np.float32)
         np.testing.assert_array_equal(again.run(["relu"], {"x": x})[0], ours.run(["relu"], {"x": x})[0])
+
+
+def test_a_serialized_model_works_too(sessions, shared_device):
+    ours, _, path, cache = sessions
+    with dspx.InferenceSession(path.read_bytes(), socket=shared_device.path, cache_dir=cache, progress=False,
+                               compile_options={"verify": False}) as from_bytes:
+        assert not from_bytes.compiled_now and from_bytes.module_dir == ours.module_dir  # same content, same key

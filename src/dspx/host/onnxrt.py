@@ -92,6 +92,13 @@ class InferenceSession:
                  **_ort_options):
         from .vm import VirtualMachine
 
+        if isinstance(path_or_dir, (bytes, bytearray)):  # a serialized model, as onnxruntime also takes
+            data = bytes(path_or_dir)
+            root = Path(cache_dir) if cache_dir else cache_root()
+            root.mkdir(parents=True, exist_ok=True)
+            path_or_dir = root / f"{hashlib.sha256(data).hexdigest()[:24]}.onnx"
+            if not path_or_dir.exists():
+                path_or_dir.write_bytes(data)
         p = Path(path_or_dir)
         if not p.exists():
             raise DspxError(f"{p}: no such model file or module directory")
