@@ -491,7 +491,7 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
     if KD == "int8":
         ks["kv_write"] = kv_write_q8
 
-    rows = T.parallel if M > 1 else T.serial
+    rows = T.parallel if M > 1 or parallel_gemv else T.serial  # decode_parallel: heads over threads too
 
     @T.prim_func(private=True)
     def attention(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
