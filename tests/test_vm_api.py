@@ -60,7 +60,7 @@ def test_lists_named_and_torch_inputs(vm, example_onnx):
 
     ref = _ort(example_onnx["multi_output"], {"x": X})
     t = torch.tensor(X, requires_grad=True)
-    for got in (vm["main"](X), vm["main"](x=X), vm["main"](X.tolist()), vm["main"](t)):
+    for got in (vm["main"](X), vm["main"](x=X), vm["main"]({"x": X}), vm["main"](X.tolist()), vm["main"](t)):
         for g, r in zip(got, ref):
             np.testing.assert_allclose(g, r, rtol=0, atol=TOL)
     ints = vm["main"]([[1] * 32] * 2)  # int values fit float32: converted

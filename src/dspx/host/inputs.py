@@ -80,7 +80,10 @@ def to_array(x, spec: TensorSpec | None = None) -> np.ndarray:
 
 def bind(specs: list[TensorSpec], args, named: dict, fn: str = "main", skip=()) -> list[np.ndarray]:
     """The arrays for one call, in the module's input order.  ``skip`` are
-    input indices supplied another way (the KV region) and not passed here."""
+    input indices supplied another way (the KV region) and not passed here.
+    A single dict argument is taken as the named inputs (``f({"x": x})``)."""
+    if len(args) == 1 and isinstance(args[0], dict) and not named:
+        args, named = (), args[0]
     if not specs:  # no metadata.json: nothing to check against; the device checks
         if named:
             raise InputError(f"{fn}: named inputs need the module's metadata.json (none was found)")
