@@ -37,6 +37,11 @@ with Tasks() as u:
     e = np.exp(x - x.max())
     np.testing.assert_allclose(out.view(np.float32), e / e.sum(), rtol=1e-4, atol=1e-9)
     print("rpc seq", t.seq)
+    n = 1 << 18  # the built-in C softmax: its DMA threads are C (sdk/dsp/runtime.c)
+    data, out = u.malloc(4 * n), u.malloc(4 * n)
+    data.view(np.float32)[:] = x[:n]
+    softmax_param(param, data, n, tiled=True)
+    u.run(0x1402, param, out)
 with VirtualMachine(module) as vm:
     ins = [np.ones(s["shape"], s["dtype"]) for s in vm.metadata["inputs"]]
     vm["main"](*ins)
@@ -116,7 +121,8 @@ def test_every_leg_has_its_track(traced):
     assert any(not n.startswith(("vm.", "tile", "dma", "job", "call",
                                                                                       "entry")) for n in core)
     dma = [k for k, v in threads.items() if v.startswith("dma channel")]
-    assert sorted(threads[k] for k in dma) == ["dma channel 0", "dma channel 1"]
+    assert sorted(threads[k] for k in dma) == ["dma channel 0", "dma channel 0 (native)", "dma channel 1",
+                                               "dma channel 1 (native)"]
     for k in dma:
         assert all(e["name"] == "dma copy" and e["args"]["bytes"] > 0 for e in tracks[k])
 
@@ -126,7 +132,7 @@ def test_dma_overlaps_ping_pong_tile_compute(traced):
     names, threads, tracks = _tracks(data["traceEvents"])
     core = next(k for k, v in threads.items() if v == "core 0")
     tiles = [e for e in tracks[core] if e["name"].startswith("tile ")]
-    copies = [e for k, v in threads.items() if v.startswith("dma channel") for e in tracks[k]]
+    copies = [e for k, v in threads.items() if v in ("dma channel 0", "dma channel 1") for e in tracks[k]]
     # 3 passes x 8 tiles; each pass fetches 8 tiles, the last two write 8 back
     assert len(tiles) == 24 and len(copies) == 8 * 3 + 8 * 2
     assert sum(c["args"]["bytes"] for c in copies) == 40 * (128 << 10) * 4
@@ -158,3 +164,14 @@ def test_one_clock_host_send_and_wait_bracket_the_device_job(traced):
                        and job["ts"] <= e["ts"] <= _end(job))
         assert send["ts"] <= job["ts"] and _end(compute) <= _end(wait), (send, job, compute, wait)
         assert any(send["ts"] <= r["ts"] <= job["ts"] for r in receives), (send, job)
+
+
+def test_native_op_dma_is_stamped_on_the_same_clock(traced):
+    """The C shim's DMA threads stamp transfers with clock_gettime(CLOCK_MONOTONIC)
+    in C; they must fall inside the core's op span, stamped in Python."""
+    data, _ = traced
+    names, threads, tracks = _tracks(data["traceEvents"])
+    op = next(e for v in tracks.values() for e in v if e["name"] == "op 0x1402")
+    native = [e for k, v in threads.items() if v.endswith("(native)") for e in tracks[k]]
+    assert len(native) >= 4 and all(e["args"]["bytes"] > 0 for e in native)
+    assert all(op["ts"] <= e["ts"] and _end(e) <= _end(op) for e in native), op

@@ -66,10 +66,11 @@ class Recorder:
             self._named.add(tid)
             self._meta("thread_name", {"name": name}, tid)
 
-    def complete(self, name: str, t0: int, t1: int, cat: str = "", args: dict | None = None) -> None:
-        """An event from t0 to t1 (perf_counter_ns) on the calling thread."""
+    def complete(self, name: str, t0: int, t1: int, cat: str = "", args: dict | None = None,
+                 tid: int | None = None) -> None:
+        """An event from t0 to t1 (perf_counter_ns) on the calling thread (or ``tid``)."""
         ev = {"name": name, "cat": cat, "ph": "X", "ts": t0 / 1000, "dur": (t1 - t0) / 1000,
-              "pid": self.pid, "tid": threading.get_native_id()}
+              "pid": self.pid, "tid": threading.get_native_id() if tid is None else tid}
         if args:
             ev["args"] = args
         self._events.append(ev)  # list.append is atomic: DMA threads record too
@@ -304,7 +305,7 @@ def install_core(index: int) -> None:
     path = os.environ.get(ENV)
     if not path:
         return
-    from .device.core import rpc, runtime, worker
+    from .device.core import native, rpc, runtime, worker
 
     _start(path, f"device core {index}", 2 + index, f"core {index}")
     W = worker.CoreWorker
@@ -325,3 +326,31 @@ def install_core(index: int) -> None:
             _rec.complete("dma copy", t0, clock(), "dma", {"bytes": int(dst.nbytes)})
     D._do_copy = do_copy
     _wrap(D, "wait", lambda self, ch, *a, **k: f"dma wait ch{ch}", "dma")
+    # Native (C) op libraries: the shim's DMA threads record their transfers
+    # when DSPX_TRACE is set (sdk/dsp/runtime.c); read them after each task.
+    run = native.Context.run
+
+    def native_run(self, *a, **k):
+        try:
+            return run(self, *a, **k)
+        finally:
+            _native_dma(native.shim(), self.ptr)
+    native.Context.run = native_run
+
+
+def _native_dma(rt, ptr) -> None:
+    import ctypes
+
+    if not hasattr(rt, "_dspx_take_dma"):
+        f = rt.dspx_rt_take_dma
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t,
+                      ctypes.POINTER(ctypes.c_int64)]
+        f.restype = ctypes.c_size_t
+        rt._dspx_take_dma, rt._dspx_buf = f, (ctypes.c_uint64 * (3 * 4096))()
+    buf, tid = rt._dspx_buf, ctypes.c_int64()
+    for ch in range(2):
+        n = rt._dspx_take_dma(ptr, ch, buf, 4096, ctypes.byref(tid))
+        if n:
+            _rec.name_thread(f"dma channel {ch} (native)", tid.value)
+        for i in range(n):
+            _rec.complete("dma copy", buf[3 * i], buf[3 * i + 1], "dma", {"bytes": buf[3 * i + 2]}, tid.value)

@@ -16,7 +16,9 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdlib.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "dspx/dsp.h"
 
@@ -31,6 +33,9 @@ enum { ST_INVALID = -2, ST_NOMEM = -3, ST_TIMEOUT = -5, ST_ADDR = -6 };
 #define QCAP 64
 #define TEXT_CAP (256 << 10)
 #define DMA_TIMEOUT_S 10
+/* With DSPX_TRACE set, each channel keeps its last TRACE_CAP transfers (start,
+ * end, bytes) for the timeline (dspx.trace reads them after each task). */
+#define TRACE_CAP 4096
 /* A waiter whose copies are not done yet polls this long before sleeping: a
  * futex wake-up costs tens of microseconds, once per tile per frame.  (The
  * workers do not poll: their wake-up hides behind the tile being computed,
@@ -57,8 +62,13 @@ struct job {
 
 struct autoinc { int configured; struct pattern sp, dp; uint64_t block, nblocks, next; size_t tile_off[2]; int tiles[2]; };
 
+struct dma_rec { uint64_t t0, t1, bytes; };
+
 struct channel {
     pthread_t thread;
+    struct dma_rec *trace; /* NULL unless DSPX_TRACE is set */
+    uint64_t ntrace;
+    int64_t tid;
     pthread_mutex_t mu;
     pthread_cond_t cv;
     struct job q[QCAP];
@@ -525,6 +535,7 @@ static void run_strided(const struct job *jb) {
 
 static void *dma_worker(void *arg) {
     struct channel *ch = arg;
+    ch->tid = (int64_t)syscall(SYS_gettid);
     for (;;) {
         pthread_mutex_lock(&ch->mu);
         while (ch->done == ch->submitted && !ch->stop)
@@ -537,10 +548,17 @@ static void *dma_worker(void *arg) {
             continue;
         }
         struct job jb = ch->q[next % QCAP]; /* written before submitted was released */
+        uint64_t t0 = ch->trace ? dspx_cycles() : 0;
         if (jb.strided)
             run_strided(&jb);
         else
             memcpy(jb.dst, jb.src, jb.n);
+        if (ch->trace) {
+            struct dma_rec *r = &ch->trace[ch->ntrace++ % TRACE_CAP];
+            r->t0 = t0;
+            r->t1 = dspx_cycles();
+            r->bytes = jb.n;
+        }
         pthread_mutex_lock(&ch->mu);
         STORE(ch->done, next + 1);
         pthread_cond_broadcast(&ch->cv);
@@ -671,6 +689,8 @@ DSPX_EXPORT struct dspx_ctx *dspx_rt_new(void *l2, size_t l2_size) {
         struct channel *ch = &c->ch[k];
         pthread_mutex_init(&ch->mu, NULL);
         pthread_cond_init(&ch->cv, NULL);
+        if (getenv("DSPX_TRACE") != NULL)
+            ch->trace = calloc(TRACE_CAP, sizeof *ch->trace);
         if (pthread_create(&ch->thread, NULL, dma_worker, ch) != 0) {
             for (int j = 0; j < k; j++) {
                 pthread_mutex_lock(&c->ch[j].mu);
@@ -687,6 +707,27 @@ DSPX_EXPORT struct dspx_ctx *dspx_rt_new(void *l2, size_t l2_size) {
     return c;
 }
 
+/* The transfers channel chn recorded since the last call (DSPX_TRACE), as
+ * (start ns, end ns, bytes) triples into out; *tid is the channel's thread. */
+DSPX_EXPORT size_t dspx_rt_take_dma(struct dspx_ctx *c, int32_t chn, uint64_t *out, size_t cap, int64_t *tid) {
+    if (chn < 0 || chn >= DSPX_DMA_CHANNELS)
+        return 0;
+    struct channel *ch = &c->ch[chn];
+    *tid = ch->tid;
+    if (ch->trace == NULL)
+        return 0;
+    uint64_t n = LOAD(ch->ntrace), i = n > TRACE_CAP ? n - TRACE_CAP : 0;
+    size_t k = 0;
+    for (; i < n && k < cap; i++, k++) {
+        const struct dma_rec *r = &ch->trace[i % TRACE_CAP];
+        out[3 * k] = r->t0;
+        out[3 * k + 1] = r->t1;
+        out[3 * k + 2] = r->bytes;
+    }
+    STORE(ch->ntrace, 0);
+    return k;
+}
+
 DSPX_EXPORT void dspx_rt_free(struct dspx_ctx *c) {
     for (int k = 0; k < DSPX_DMA_CHANNELS; k++) {
         struct channel *ch = &c->ch[k];
@@ -695,6 +736,7 @@ DSPX_EXPORT void dspx_rt_free(struct dspx_ctx *c) {
         pthread_cond_broadcast(&ch->cv);
         pthread_mutex_unlock(&ch->mu);
         pthread_join(ch->thread, NULL);
+        free(ch->trace);
     }
     free(c->text);
     free(c);
