@@ -306,3 +306,94 @@ def _advice(op: str, node, text: str) -> str:
         shown = ", ".join(f"{k}={v!r}"[:60] for k, v in list(attrs.items())[:4])
         return f"check its attributes ({shown}) or replace the operator in the model"
     return "replace the operator in the model or run it on the host"
+
+
+def fold_batchnorm(model: onnx.ModelProto) -> int:
+    """Conv -> BatchNormalization (inference form, constant parameters, the conv
+    output read by nothing else) becomes one Conv with scaled weights and a new
+    bias, as inference exporters and onnxruntime do; returns how many.
+
+    Why here: TVM decomposes a BatchNormalization into elementwise arithmetic
+    on the activations, which then stands between the convolution and its
+    residual add and ReLU, so the kernel rewrite cannot fuse them, and runs as
+    generated code (half of a ResNet-50 call before this).  Folded in float64,
+    rounded once to float32."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    readers: dict[str, int] = {}
+    for node in g.node:
+        for i in node.input:
+            readers[i] = readers.get(i, 0) + 1
+    for o in g.output:
+        readers[o.name] = readers.get(o.name, 0) + 1
+    producer = {o: node for node in g.node for o in node.output}
+    drop, n = set(), 0
+    for bn in g.node:
+        if bn.op_type != "BatchNormalization" or len(bn.output) != 1 or len(bn.input) != 5:
+            continue
+        conv = producer.get(bn.input[0])
+        if (conv is None or conv.op_type != "Conv" or readers.get(bn.input[0]) != 1
+                or not all(i in inits for i in bn.input[1:]) or conv.input[1] not in inits
+                or (len(conv.input) > 2 and conv.input[2] and conv.input[2] not in inits)):
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in bn.attribute}
+        if attrs.get("training_mode", 0) or attrs.get("spatial", 1) != 1:
+            continue
+        eps = float(attrs.get("epsilon", 1e-5))
+        gamma, beta, mean, var = (numpy_helper.to_array(inits[i]).astype(np.float64) for i in bn.input[1:])
+        w = numpy_helper.to_array(inits[conv.input[1]])
+        if w.dtype != np.float32 or gamma.shape != (w.shape[0],):
+            continue
+        b = (numpy_helper.to_array(inits[conv.input[2]]).astype(np.float64)
+             if len(conv.input) > 2 and conv.input[2] else np.zeros(w.shape[0]))
+        scale = gamma / np.sqrt(var + eps)
+        wf = (w.astype(np.float64) * scale.reshape(-1, *[1] * (w.ndim - 1))).astype(np.float32)
+        bf = ((b - mean) * scale + beta).astype(np.float32)
+        base = conv.name or conv.output[0]
+        wn, bname = f"{base}__bn_w", f"{base}__bn_b"
+        g.initializer.extend([numpy_helper.from_array(wf, wn), numpy_helper.from_array(bf, bname)])
+        x = conv.input[0]
+        del conv.input[:]
+        conv.input.extend([x, wn, bname])
+        conv.output[0] = bn.output[0]
+        drop.add(id(bn))
+        n += 1
+    if n:
+        kept = [node for node in g.node if id(node) not in drop]
+        del g.node[:]
+        g.node.extend(kept)
+        # the replaced filters and BN parameters are unused now
+        used = {i for node in g.node for i in node.input}
+        unused = [i for i in g.initializer if i.name not in used]
+        for i in unused:
+            g.initializer.remove(i)
+        names = {i.name for i in unused}
+        for v in [v for v in g.input if v.name in names]:
+            g.input.remove(v)
+    return n
+
+
+def sum_to_add(model: onnx.ModelProto) -> int:
+    """Sum(a, b, ...) -> Add(Add(a, b), ...): TVM imports Sum as stack + reduce
+    (a copy of every input, and a residual add the kernel rewrite cannot fuse
+    into the convolution before it); pairwise Add is the same arithmetic
+    (ONNX Sum broadcasts like Add).  Returns how many nodes were changed."""
+    g = model.graph
+    nodes, n = [], 0
+    for node in g.node:
+        if node.op_type != "Sum" or len(node.input) < 2:
+            nodes.append(node)
+            continue
+        acc = node.input[0]
+        for k, x in enumerate(node.input[1:], 1):
+            out = node.output[0] if k == len(node.input) - 1 else f"{node.output[0]}__sum{k}"
+            nodes.append(helper.make_node("Add", [acc, x], [out], name=f"{node.name or node.output[0]}__add{k}"))
+            acc = out
+        n += 1
+    if n:
+        del g.node[:]
+        g.node.extend(nodes)
+    return n

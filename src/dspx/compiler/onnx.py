@@ -12,7 +12,8 @@ import numpy as np
 import onnx
 from rich.console import Console
 
-from dspx.compiler.checks import CompileError, apply_shapes, import_onnx, precheck, rewrite_prelu
+from dspx.compiler.checks import (CompileError, apply_shapes, fold_batchnorm, import_onnx, precheck,
+                                  rewrite_prelu, sum_to_add)
 from dspx.compiler.module import (IO_META_NAME, METADATA_FILE, MODULE_FILE, SIGNATURE_NAME, WEIGHTS_FILE,
                                   Signature, TensorSpec, export_module, make_io_meta, write_metadata,
                                   write_weights)
@@ -292,6 +293,8 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
         apply_shapes(model, shapes, dims)
         reference, wreport = reduce_weights(model, weights)  # the verification reference
         rewrite_prelu(model)
+        fold_batchnorm(model)
+        sum_to_add(model)
         if separate_weights:
             model = _split_weights(model)
         model, _ = reduce_weights(model, weights)
