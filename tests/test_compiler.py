@@ -319,3 +319,22 @@ def test_target_recorded_and_checked_by_the_loader(tmp_path, device, client_of):
     c.load_module((tmp_path / "v3" / "model.so").read_bytes())  # the portable one loads
     with pytest.raises(CompileError, match="unknown --target 'pentium9'"):
         compile_onnx(path, tmp_path / "bad", progress=False, target="pentium9")
+
+
+def test_batchnorm_folded_and_sum_fused_into_the_conv_kernel(tmp_path):
+    # Conv -> BatchNormalization -> Sum(residual) -> Relu, as Caffe2/old exporters write ResNets:
+    # one conv2d_add kernel call, matching onnxruntime on the unfolded graph.
+    rng = np.random.default_rng(2)
+    arr = onnx.numpy_helper.from_array
+    inits = [arr(rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.2, "w"),
+             arr(rng.uniform(0.5, 1.5, 8).astype(np.float32), "g"), arr(rng.uniform(-1, 1, 8).astype(np.float32), "b"),
+             arr(rng.uniform(-1, 1, 8).astype(np.float32), "m"), arr(rng.uniform(0.5, 2, 8).astype(np.float32), "v")]
+    path = _save(tmp_path, [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                            helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["n"], epsilon=1e-3),
+                            helper.make_node("Sum", ["n", "x"], ["s"]),
+                            helper.make_node("Relu", ["s"], ["y"])],
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 6, 6])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 6, 6])], inits)
+    meta = compile_onnx(path, tmp_path / "out", progress=False)
+    assert meta["kernel_imports"] == ["dspx.kernels.conv2d_add"]
+    assert meta["verify"]["reference"] == "onnxruntime" and meta["verify"]["max_abs_error"]["y"] < 1e-4
