@@ -1,9 +1,14 @@
-"""Compiled modules at runtime: ResNet-18 latency through the device vs in-process.
+"""Compiled modules at runtime: latency through the device vs in-process vs onnxruntime.
 
     python benchmarks/infer.py [--runs 40] [--slow-runs 3] [--threads 2] [--batch 2] [--no-slow]
+                               [--models resnet18,resnet50,shufflenet] [--portable]
 
-For the same compiled module (dspx.compiler.examples ResNet-18, fixed seed,
-compiled here with `dspx compile`, timed) it measures, medians of --runs calls:
+Models: ResNet-18 (dspx.compiler.examples, fixed seed), and the onnx wheel's
+light ResNet-50 and ShuffleNet (grouped and depthwise convolutions, channel
+shuffles), re-weighted at random (examples.light).  --portable adds ResNet-18
+compiled with --target x86-64-v3 (the cost of a module that travels).
+For each compiled module (compiled here with `dspx compile`, timed per stage,
+verification included) it measures, medians of --runs calls:
 
 - ``tvm``:      the module loaded in-process with the device's own loader
                 (+ ``kernels.register_all()``), its entry called through TVM
