@@ -28,10 +28,10 @@ def _plt():
     return plt
 
 
-def _save(fig, path) -> Path:
+def _save(fig, path, rect=(0, 0, 1, 1)) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=100)
     fig.clf()
     return path
@@ -170,10 +170,9 @@ def timeline(trace_path, path, t_from_ms: float | None = None, t_to_ms: float | 
     ax.set_xlabel("ms (CLOCK_MONOTONIC, shared by every process)")
     ax.grid(axis="x", alpha=0.3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    ax.legend(handles, list(COLORS), ncol=len(COLORS), loc="upper center", bbox_to_anchor=(0.5, -0.12 - 1.5 / y),
-              fontsize=9, frameon=False)
+    fig.legend(handles, list(COLORS), ncol=len(COLORS), loc="lower center", fontsize=9, frameon=False)
     ax.set_title(title or f"dspx trace: {Path(trace_path).name}")
-    return _save(fig, path)
+    return _save(fig, path, rect=(0, 0.07, 1, 1))
 
 
 def main(argv=None) -> None:
