@@ -402,7 +402,7 @@ def test_generated_wire_header_matches_protocol_doc(sdk, tmp_path):
     for i, n in enumerate(DOC_STATUS):
         assert got[("status", n)] == [str(-i), n]
     assert got[("version", "196608")] == ["max", "512", "inline", "5", "5"]
-    assert got[("flags", str(1 << 16))] == ["65535", str(0xFFFE0000), "1", "1"]
+    assert got[("flags", str(1 << 16))] == ["65535", str(0xFFFC0000), "1", "1"]  # bits 18–31 (16 KV_RESIDENT, 17 PROFILE)
     assert got[("printf", str(0x544E5250))] == ["16"]
 
 
