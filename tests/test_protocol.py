@@ -227,6 +227,7 @@ def test_decode_errors_carry_the_type_they_could_read():
     with pytest.raises(P.ProtocolError) as e:
         P.decode(struct.pack("<IIIi", 0x21, 5, 17, 0))
     assert (e.value.msg_type, e.value.seq, e.value.status) == (0x21, 5, Status.ERR_INVALID)
+    assert str(e.value) == "len field 17 != datagram size 16"
     with pytest.raises(P.ProtocolError) as e:
         P.Infer(num_inputs=6, descs=[P.TensorDesc.for_array(0, (1,), "int8")] * 6).encode()
     assert (e.value.status, e.value.seq, e.value.msg_type) == (Status.ERR_INVALID, None, None)
@@ -236,6 +237,8 @@ def test_ops_list_names_that_are_not_utf8_are_replaced():
     raw = P.OpsListResp.pack_entries([(1, 0, 0, 0, "x")])
     raw = raw[:16] + b"\xffop".ljust(32, b"\0")
     assert P.OpsListResp(total=1, count=1, payload=raw).entries() == [(1, 0, 0, 0, "\ufffdop")]
+    raw = P.OpsListResp.pack_entries([(2, 0, 0, 0, "opX")])  # only the NUL padding is cut
+    assert P.OpsListResp(total=1, count=1, payload=raw).entries() == [(2, 0, 0, 0, "opX")]
 
 
 def test_version_string_and_message_class():

@@ -286,3 +286,12 @@ def test_a_new_input_buffer_forgets_the_arrays_of_the_old_one():
     before = io.state()
     io.replaced("input", 8192, IN + 0x10_0000)
     assert io.state() != before and io.create_input(64) == 128  # bump allocation starts over
+
+
+def test_the_first_handed_out_array_bounds_the_descriptor_table():
+    io = with_buffers(8192, 4096, num_inputs=0)
+    assert (io.create_input(600), io.create_input(64)) == (0, 640)
+    with pytest.raises(CapacityError, match="descriptor region"):
+        io.plan_infer(1, [np.zeros(4, np.float32)] * 6, [None] * 6)
+    with pytest.raises(CapacityError, match="create_input needs 8256 bytes but input_buf holds 8192"):
+        io.create_input(7552)  # from 704 (after the two arrays): 64 bytes too many
