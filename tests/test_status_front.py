@@ -801,7 +801,7 @@ def test_a_loaded_op_library_keeps_its_source_for_cores_that_restart(front):
     r = _answer(actions)
     assert r.lib_handle == handle
     assert front.st.op_sources[handle] == (b"# op library 16\n", "<oplib>")
-    assert front.st.modules[handle].kind == "oplib"
+    assert (front.st.modules[handle].kind, front.st.modules[handle].handle) == ("oplib", handle)
 
 
 def test_an_op_library_refused_without_a_line_answers_line_0(front):
