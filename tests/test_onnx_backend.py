@@ -79,9 +79,12 @@ def _digest() -> str:
 
     import dspx.compiler
 
+    # what a compiled module depends on (not abi/protocol.py, which others edit
+    # often: a stale io_meta would fail loudly on the device, not pass)
     h = hashlib.sha256(tvm.__version__.encode())
     src = Path(dspx.compiler.__file__).parent
-    for f in [*sorted(src.glob("*.py")), *sorted((src.parent / "abi").glob("*.py"))]:
+    for f in [*sorted(src.glob("*.py")), *(src.parent / "abi" / n for n in ("kernels.py", "modformat.py",
+                                                                           "layout.py"))]:
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -137,18 +140,22 @@ def _close(got, want) -> str:
 
 def run_all(socket: str) -> dict[str, tuple[str, str]]:
     """{case name: (pass|fail|wrong, message)}."""
+    from dspx.host.client import Client
     from dspx.host.vm import VirtualMachine
 
     results = {}
-    for case, (outdir, res) in compile_all(cases()).items():
+    compiled = compile_all(cases())
+    biggest = max((f.stat().st_size for d, r in compiled.values() if r["status"] == "compiled"
+                   for f in d.iterdir()), default=0)
+    client = Client(socket, staging_size=biggest + (1 << 20), kv_size=0)  # one connection for every case
+    for case, (outdir, res) in compiled.items():
         name = f"{case.parent.name}/{case.name}"
         if res["status"] != "compiled":
             results[name] = ("fail" if res["status"] == "error" else "crash", res.get("message", ""))
             continue
         ins, outs = recorded(case)
         try:
-            size = max(f.stat().st_size for f in outdir.iterdir())
-            vm = VirtualMachine(outdir, socket=socket, staging_size=size + (1 << 20), kv_size=0)
+            vm = VirtualMachine(outdir, client=client)
             try:
                 got = vm["main"](*ins)
                 got = got if isinstance(got, list) else [got]
@@ -162,6 +169,7 @@ def run_all(socket: str) -> dict[str, tuple[str, str]]:
         if len(got) != len(outs):
             bad.append(f"{len(got)} outputs, recorded {len(outs)}")
         results[name] = ("wrong", "; ".join(bad)) if bad else ("pass", "")
+    client.close()
     return results
 
 
