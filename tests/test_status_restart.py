@@ -98,7 +98,7 @@ def test_reload_loads_the_copy_again_under_the_same_handle_before_anything_else(
     assert (job.core, job.conn, job.req, job.bufs) == (0, None, None, [rec.image])
     assert job.priority == Handlers.RELOAD_PRIORITY > 255
     assert rec.generation is None  # not usable until it is back
-    front.h.cores.generation = lambda i: 7
+    front.h.cores.generation = lambda i: 7 if i == 0 else None
     actions = job.on_done(jobs.Done(job.rec.job))
     assert rec.generation == 7 and front.st.modules[rec.handle] is rec
     assert actions == [Forget(bufs=[rec.image.buf_id])]
@@ -133,6 +133,7 @@ def test_weights_reload_as_weights(front):
     rec = front.st.models[r.model_id]
     re = front.h.reload(rec)[0].job
     assert isinstance(re.rec, jobs.LoadWeights) and (re.rec.model_id, re.rec.size) == (r.model_id, 40)
+    assert re.rec.buf == rec.image.buf_id and re.bufs == [rec.image]
     front.st.models.pop(r.model_id)
     forget, undo = re.on_done(jobs.Done(re.rec.job))
     assert isinstance(undo.rec, jobs.UnloadWeights) and undo.rec.model_id == r.model_id
@@ -164,9 +165,11 @@ def test_a_restarted_core_gets_every_op_library_again_in_handle_order(front):
 @pytest.mark.parametrize("nofile,window,conn_bytes,want", [
     (1024, 512 * MiB, None, (256, 64, MAX_BUFS_PER_CONN, 448, 384 * MiB)),
     (16, 64 * MiB, None, (8, 2, MAX_BUFS_PER_CONN, MAX_BUFS_PER_CONN, 48 * MiB)),
+    (1031, 1001, None, (257, 64, MAX_BUFS_PER_CONN, 451, 750)),  # whole numbers, rounded down
     (1 << 20, 64 * MiB, 0, (MAX_CONNS, MAX_CONNS // 4, MAX_BUFS_PER_CONN, (1 << 19) - 64, 0)),
 ])
 def test_limits_follow_the_fd_limit(nofile, window, conn_bytes, want):
     lim = Limits.for_device(nofile, window, conn_bytes)
     assert (lim.conns, lim.conns_per_peer, lim.bufs_per_conn, lim.bufs_total, lim.conn_bytes) == want
     assert lim.nofile == nofile
+    assert all(type(v) is int for v in (lim.conns, lim.conns_per_peer, lim.bufs_total, lim.conn_bytes))
