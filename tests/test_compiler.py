@@ -97,9 +97,10 @@ def test_metadata_json(compiled):
 
 
 def test_target_detection():
-    t = make_target()
+    t = make_target("native")
     assert t["mcpu"] == detect_mcpu() and t["mcpu"] not in ("", "native", "generic")
     assert t["num-cores"] >= 1
+    assert make_target()["mcpu"] == "x86-64-v3"  # the portable default (this machine has AVX2)
 
 
 def test_weights_file_roundtrip_and_layout():

@@ -23,10 +23,11 @@ def _shape(t: dict) -> str:
               help="directory for model.so, metadata.json (and weights.bin)")
 @click.option("--separate-weights", is_flag=True, help="write the weights to weights.bin, sent to the device on their own (MODEL_LOAD)")
 @click.option("--no-kernels", is_flag=True, help="generate every operator with TVM; call no firmware kernels")
-@click.option("--target", default="native", show_default=True,
-              help="CPU to generate code for: native (this machine's CPU, recorded in the module), "
-                   "x86-64-v3 (portable: any AVX2 machine), x86-64-v4 (AVX-512), x86-64-v2, or an LLVM CPU "
-                   "name (znver4, icelake-server ...). The device refuses a module for a CPU it lacks.")
+@click.option("--target", default=None,
+              help="CPU to generate code for: x86-64-v3 (default: portable to any AVX2 machine, no slower "
+                   "here), native (this machine's CPU), x86-64-v4 (AVX-512), x86-64-v2, or an LLVM CPU name "
+                   "(znver4, icelake-server ...). Recorded in the module; the device refuses a module for "
+                   "a CPU it lacks.")
 @click.option("--weights", "weights", type=click.Choice(["float32", "float16", "int8"]), default="float32",
               show_default=True,
               help="store weights in reduced precision (implies --separate-weights): int8 = per-channel "
