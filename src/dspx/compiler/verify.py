@@ -173,8 +173,13 @@ def verify(outdir, meta: dict, reference_model: bytes, tvm_module=None, tvm_para
     except CompileError:
         raise
     except Exception as e:  # noqa: BLE001 - a module that does not load or run is a compile failure
-        raise CompileError(f"the compiled module fails on the device: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:300]}") from None
+        from dspx.errors import CapacityError, OutOfMemory
+
+        text = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        if isinstance(e, (CapacityError, OutOfMemory)):
+            raise CompileError(f"the compiled module does not fit a default device ({text}); store the weights "
+                               "smaller with --weights float16 or int8 (or --no-verify to keep it)") from None
+        raise CompileError(f"the compiled module fails on the device: {text}") from None
     finally:
         if verifier is None:
             own.close()
