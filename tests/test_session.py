@@ -295,3 +295,11 @@ def test_the_first_handed_out_array_bounds_the_descriptor_table():
         io.plan_infer(1, [np.zeros(4, np.float32)] * 6, [None] * 6)
     with pytest.raises(CapacityError, match="create_input needs 8256 bytes but input_buf holds 8192"):
         io.create_input(7552)  # from 704 (after the two arrays): 64 bytes too many
+
+
+def test_a_reservation_without_an_input_count_reserves_no_descriptor_region():
+    io = IoCapacity()
+    io.reserve(4096, 4096)
+    io.replaced("input", 4096, IN)
+    io.replaced("output", 4096, OUT)
+    assert io.create_input(64) == 0

@@ -993,3 +993,11 @@ def test_detach_answers_with_the_requests_seq(front):
     addr = front.attach(4096)
     (r,) = responses(front(P.BufDetach(seq=44, dsp_addr=addr)))
     assert (r.seq, r.status) == (44, 0)
+
+
+def test_busy_detach_says_how_many_jobs_use_the_buffer(front):
+    addr = front.attach(4096)
+    front.conn.bufs[addr].busy = 2
+    front(P.BufDetach(dsp_addr=addr))
+    (e,) = responses(front(P.GetError()))
+    assert e.payload.decode() == f"buffer 0x{addr:x} is in use by 2 job(s)"

@@ -48,6 +48,20 @@ def test_a_loaded_module_keeps_a_private_copy_of_exactly_its_staged_bytes(front)
     assert os.pread(img.fd, 64, 0) == b"0123456789abcdef" and front.st.kept_bytes == 16
     front.conn.staging.region.mm[:4] = b"XXXX"  # staging is reused: the copy is not
     assert os.pread(img.fd, 4, 0) == b"0123"
+    # its own buffer id (cores map it by id), at no DSP address, not inherited by children
+    assert type(img.buf_id) is int and img.region.buf_id == img.buf_id
+    assert img.buf_id not in [b.buf_id for b in front.conn.bufs.values()] and img.region.addr == 0
+    import fcntl
+    assert fcntl.fcntl(img.fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+
+
+def test_a_copy_of_one_byte_is_kept_and_one_past_the_source_is_not(front):
+    st = _staged(front, b"Z")
+    one = front.st.keep_image(st, 1)
+    assert one is not None and os.pread(one.fd, 8, 0) == b"Z"
+    os.close(one.fd)
+    assert front.st.keep_image(st, MiB + 1) is None  # the source ends first: refused, not a loop
+    assert front.st.kept_bytes == 1
 
 
 def test_loaded_weights_keep_a_copy_too_and_unloading_gives_it_back(front):
