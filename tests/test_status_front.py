@@ -1001,3 +1001,67 @@ def test_busy_detach_says_how_many_jobs_use_the_buffer(front):
     front(P.BufDetach(dsp_addr=addr))
     (e,) = responses(front(P.GetError()))
     assert e.payload.decode() == f"buffer 0x{addr:x} is in use by 2 job(s)"
+
+
+# ---------------------------------------------------------------- DYN_LOAD in full
+
+def test_a_loaded_module_answers_every_figure_and_is_recorded_as_this_connections(front):
+    front.attach(MiB, staging=True)
+    job = submitted(front(P.DynLoad(seq=17, elf_size=1000)))
+    assert (job.core, job.conn, job.req.seq) == (0, front.conn, 17) and job.rec.ddr_free == 8 * MiB
+    loaded = jobs.Loaded(4096, 1024, 512, (3, 5, 11_111, 22_222, 1), SIG)
+    (r,) = responses(job.on_done(jobs.Done(job.rec.job, value=loaded)))
+    assert (r.seq, r.status, r.module_handle) == (17, 0, job.rec.handle)
+    assert (r.text_size, r.data_size) == (4096, 1024)
+    assert (r.io_num_inputs, r.io_num_outputs, r.io_input_bytes, r.io_output_bytes, r.io_flags) == (3, 5, 11_111, 22_222, 1)
+    rec = front.st.modules[r.module_handle]
+    assert (rec.cid, rec.core, rec.kind, rec.ddr_bytes, rec.signature) == (front.conn.cid, 0, "module", 5632, SIG)
+    assert responses(front(P.PoolStatus()))[0].modules == 1
+
+
+def test_a_module_without_io_meta_answers_zeros(front):
+    front.attach(MiB, staging=True)
+    job = submitted(front(P.DynLoad(elf_size=1000)))
+    (r,) = responses(job.on_done(jobs.Done(job.rec.job, value=jobs.Loaded(10, 20, 0, None, None))))
+    assert (r.io_num_inputs, r.io_num_outputs, r.io_input_bytes, r.io_output_bytes, r.io_flags) == (0, 0, 0, 0, 0)
+
+
+def test_a_load_refused_by_the_core_keeps_its_text_and_its_own_total(front):
+    front.attach(MiB, staging=True)
+    job = submitted(front(P.DynLoad(elf_size=1000)))
+    e = _reject_of(job.on_done, jobs.Done(job.rec.job, S.ERR_NOMEM, "segments too big",
+                                          numbers={"oom_requested": 9, "oom_free": 8, "oom_total": 777}))
+    assert (str(e), e.numbers["oom_total"]) == ("segments too big", 777)
+
+
+def test_a_module_past_the_pool_is_undone_on_its_core_with_the_figures_in_the_text(front):
+    front.attach(MiB, staging=True)
+    front.st.ddr.take(MiB)
+    job = submitted(front(P.DynLoad(elf_size=1000)))
+    with pytest.raises(_NoRoom) as e:
+        job.on_done(jobs.Done(job.rec.job, value=jobs.Loaded(8 * MiB, 0, 0, None, None)))
+    assert (e.value.undo.core, e.value.undo.rec.handle) == (0, job.rec.handle)
+    assert isinstance(e.value.undo.rec, jobs.UnloadModule)
+    assert e.value.numbers == dict(oom_requested=8 * MiB, oom_free=7 * MiB, oom_total=8 * MiB)
+    assert str(e.value) == f"module needs {8 * MiB} bytes of the DDR pool; {7 * MiB} of {8 * MiB} free"
+
+
+def test_dyn_load_refusal_texts(front):
+    front.attach(MiB, staging=True)
+    for req, text in ((P.DynLoad(elf_size=1, reserved0=1), "reserved fields must be zero"),
+                      (P.DynLoad(elf_size=1, flags=2), "unknown DYN_LOAD flags 0x2")):
+        front(req)
+        (e,) = responses(front(P.GetError()))
+        assert e.payload.decode() == text
+
+
+def test_an_op_library_from_staging_is_named_staging(front):
+    front.attach(MiB, staging=True)
+    (j0, _) = _per_core(front(P.DynLoad(elf_size=6, flags=P.DYN_LOAD_OP_LIBRARY)))
+    assert j0.rec.filename == "<staging>"
+
+
+def test_set_printf_buf_answers_with_the_requests_seq(front):
+    addr = front.attach(4096)
+    (r,) = responses(front(P.SetPrintfBuf(seq=61, printf_dsp_addr=addr, printf_size=64)))
+    assert (r.seq, r.status) == (61, 0)
