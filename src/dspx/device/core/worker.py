@@ -111,6 +111,10 @@ class CoreWorker:
             s = self.clients.pop(cid, None)
             if s is not None:
                 s.close()
+        if rec.conns:  # a closed connection's plans go too, also any the front no longer tracks
+            gone = set(rec.conns)
+            for p in [p for p, plan in self.plans.items() if plan.spec.cid in gone]:
+                del self.plans[p]
         for b in rec.bufs:
             mm = self.bufs.pop(b, None)
             if mm is not None:

@@ -38,7 +38,7 @@ class CoreProc:
     def _reset(self) -> None:
         self.known_bufs: set[int] = set()
         self.known_conns: set[int] = set()
-        self.plans: set[int] = set()
+        self.plans: dict[int, int] = {}  # plan ids it holds -> their connection
         self.running = None  # the FrontJob it runs
         self.abort_job = None  # the running job an abort was asked for
         self.abort_deadline = 0.0

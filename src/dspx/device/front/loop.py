@@ -417,7 +417,7 @@ class Service:
         if isinstance(rec, jobs.Call):
             if job.plan.plan_id not in c.plans:
                 rec.spec = job.plan.spec
-                c.plans.add(job.plan.plan_id)
+                c.plans[job.plan.plan_id] = job.conn.cid
             if job.conn.cid not in c.known_conns:
                 rec.new_conn = True
                 fds.append(job.conn.ep.fileno())
@@ -507,7 +507,11 @@ class Service:
             conns = [x for x in f.conns if x in c.known_conns]
             bufs = [b for b in f.bufs if b in c.known_bufs]
             if plans or conns or bufs:
-                c.plans.difference_update(plans)
+                for p in plans:
+                    del c.plans[p]
+                if conns:  # the core drops a closed connection's plans itself (also ones replayed after a Forget)
+                    for p in [p for p, cid in c.plans.items() if cid in f.conns]:
+                        del c.plans[p]
                 c.known_conns.difference_update(conns)
                 c.known_bufs.difference_update(bufs)
                 if c.ready:
