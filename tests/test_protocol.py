@@ -245,3 +245,23 @@ def test_version_string_and_message_class():
     assert P.version_str(0x030000) == "3.0.0" and P.version_str(0x0A0B0C) == "10.11.12"
     assert P.version_str(0x01FF0203) == "255.2.3"  # only the low 24 bits
     assert P.message_class(0x1061) is P.PoolStatusResp and P.message_class(0x77) is None
+
+
+def test_failure_response_saturates_each_figure_to_its_fields_width():
+    """A figure from elsewhere (a damaged module's 2^63-byte segment) must not
+    make the failure response unencodable (docs/reliability.md §1)."""
+    r = P.failure_response(P.MsgType.DYN_LOAD, 7, Status.ERR_NOMEM, oom_requested=1 << 63, oom_free=-5,
+                           oom_total=(1 << 32) - 1, io_input_bytes=1 << 70, not_a_field=3)
+    assert (r.seq, r.status, r.oom_requested, r.oom_free, r.oom_total) == (7, -3, (1 << 32) - 1, 0, (1 << 32) - 1)
+    assert r.io_input_bytes == (1 << 64) - 1 and not hasattr(r, "not_a_field")
+    assert len(r.encode()) == P.DynLoadResp.SIZE
+    i = P.failure_response(P.MsgType.INFER, 1, Status.ERR_SIZE, return_value=1 << 40, result_required=-1,
+                           cycles=1 << 65)
+    assert (i.return_value, i.result_required, i.cycles) == ((1 << 31) - 1, 0, (1 << 64) - 1)
+    j = P.failure_response(P.MsgType.INFER, 1, Status.ERR_SIZE, return_value=-(1 << 40))
+    assert j.return_value == -(1 << 31)
+    k = P.failure_response(P.MsgType.OPS_LOAD, 2, Status.ERR_LOAD, error_line=-7, num_ops=(1 << 32) + 1)
+    assert (k.error_line, k.num_ops) == (-7, (1 << 32) - 1) and P.decode(k.encode()).error_line == -7
+    assert (P.failure_response(P.MsgType.INFER, 1, -2, return_value=(1 << 31) - 1).return_value,
+            P.failure_response(P.MsgType.INFER, 1, -2, result_required=(1 << 64) - 1).result_required) == \
+        ((1 << 31) - 1, (1 << 64) - 1)

@@ -1065,3 +1065,31 @@ def test_set_printf_buf_answers_with_the_requests_seq(front):
     addr = front.attach(4096)
     (r,) = responses(front(P.SetPrintfBuf(seq=61, printf_dsp_addr=addr, printf_size=64)))
     assert (r.seq, r.status) == (61, 0)
+
+
+def test_a_refusal_answers_its_numbers_in_the_response(front):
+    from dspx.device.front.handlers import failure
+
+    (r,) = responses(failure(front.conn, P.DynLoad(seq=3), Reject(S.ERR_NOMEM, "x", oom_requested=5, oom_free=4)))
+    assert (r.seq, r.status, r.oom_requested, r.oom_free) == (3, S.ERR_NOMEM, 5, 4)
+
+
+def test_get_error_answers_its_own_seq_and_survives_unencodable_text(front):
+    front.conn.last_error = (1, S.ERR_LOAD, "bad \ud800 text")
+    (e,) = responses(front(P.GetError(seq=8)))
+    assert (e.seq, e.error_seq, e.payload) == (8, 1, b"bad ? text")
+
+
+def test_staged_size_refusal_text(front):
+    front.attach(MiB, staging=True, kv=4096)
+    front(P.DynLoad(elf_size=0))
+    (e,) = responses(front(P.GetError()))
+    assert e.payload.decode() == f"DYN_LOAD: 0 bytes staged but the staging area holds {MiB - 4096}"
+
+
+def test_loaded_weights_are_recorded_on_core_0_at_its_incarnation(front):
+    front.attach(MiB, staging=True)
+    job = submitted(front(P.ModelLoad(weights_size=100)))
+    (r,) = responses(job.on_done(jobs.Done(job.rec.job, value=jobs.WeightsLoaded(2, 64))))
+    rec = front.st.models[r.model_id]
+    assert (rec.cid, rec.core, rec.generation, rec.ddr_bytes, rec.num_constants) == (front.conn.cid, 0, 1, 64, 2)
