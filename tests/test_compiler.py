@@ -186,6 +186,14 @@ def test_cli_compile(example_onnx, tmp_path):
 
 # ---------------------------------------------------------------- verification, errors, shapes, target
 
+@pytest.fixture(scope="module")
+def verifier():
+    """One private device for every verification in this file (its core stays warm)."""
+    from dspx.compiler.verify import Verifier
+
+    with Verifier() as v:
+        yield v
+
 def _save(tmp_path, nodes, inputs, outputs, inits=(), name="m.onnx", opset=17):
     g = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
     path = tmp_path / name
@@ -202,14 +210,14 @@ def _relu_conv(tmp_path):
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8, 8])], [w])
 
 
-def test_verification_passes_and_is_recorded(tmp_path):
-    meta = compile_onnx(_relu_conv(tmp_path), tmp_path / "out", progress=False)
+def test_verification_passes_and_is_recorded(tmp_path, verifier):
+    meta = compile_onnx(_relu_conv(tmp_path), tmp_path / "out", progress=False, verifier=verifier)
     v = meta["verify"]
     assert v["reference"] == "onnxruntime" and v["max_abs_error"]["y"] <= 1e-4
     assert json.loads((tmp_path / "out" / "metadata.json").read_text())["verify"] == v
 
 
-def test_verification_catches_a_wrong_module(tmp_path, monkeypatch):
+def test_verification_catches_a_wrong_module(tmp_path, monkeypatch, verifier):
     # A compiler bug: the rewrite drops the ReLU after the convolution (act code 0).
     # The module then runs on the device, and only the reference can tell.
     from dspx.compiler import kernel_rewrite
@@ -224,13 +232,13 @@ def test_verification_catches_a_wrong_module(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kernel_rewrite._Matcher, "plan_conv", no_relu)
     with pytest.raises(CompileError, match=r"verification failed: output 'y' differs from onnxruntime"):
-        compile_onnx(_relu_conv(tmp_path), tmp_path / "out", kernels=True, progress=False)
+        compile_onnx(_relu_conv(tmp_path), tmp_path / "out", kernels=True, progress=False, verifier=verifier)
     # --no-verify keeps the (wrong) module
     meta = compile_onnx(_relu_conv(tmp_path), tmp_path / "out2", kernels=True, progress=False, verify=False)
     assert meta["verify"] is None
 
 
-def test_tvm_reference_when_onnxruntime_cannot_run(tmp_path):
+def test_tvm_reference_when_onnxruntime_cannot_run(tmp_path, verifier):
     # PyTorch-style per-channel PReLU (slope (C,) on NCHW): strict ONNX broadcasting
     # refuses it, onnxruntime too; dspx compiles it per channel and verifies
     # against TVM's own unoptimized build.
@@ -239,13 +247,12 @@ def test_tvm_reference_when_onnxruntime_cannot_run(tmp_path):
                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 5])],
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4, 5])],
                  [onnx.numpy_helper.from_array(slope, "s")])
-    meta = compile_onnx(path, tmp_path / "out", progress=False)
+    meta = compile_onnx(path, tmp_path / "out", progress=False, verifier=verifier)
     assert meta["verify"]["reference"] == "tvm-unoptimized"
-    from dspx.compiler.verify import Verifier, random_inputs
+    from dspx.compiler.verify import random_inputs
 
     x = random_inputs(meta["inputs"], seed=3)[0]
-    with Verifier() as v:
-        y = v.run(tmp_path / "out", [x])[0]
+    y = verifier.run(tmp_path / "out", [x])[0]
     want = np.where(x < 0, x * slope.reshape(1, 3, 1, 1), x)
     np.testing.assert_allclose(y, want, rtol=1e-6)
 
@@ -270,16 +277,16 @@ def test_tvm_reference_when_onnxruntime_cannot_run(tmp_path):
               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]),
      "node 'grow' (Expand): TVM cannot convert it"),
 ])
-def test_failures_are_one_line_naming_the_cause(tmp_path, build, message):
+def test_failures_are_one_line_naming_the_cause(tmp_path, build, message, verifier):
     nodes, ins, outs = build()
     path = _save(tmp_path, nodes, ins, outs)
     with pytest.raises(CompileError) as e:
-        compile_onnx(path, tmp_path / "out", progress=False)
+        compile_onnx(path, tmp_path / "out", progress=False, verifier=verifier)
     text = str(e.value)
     assert message in text and "\n" not in text, text
 
 
-def test_shape_and_dim_options(tmp_path):
+def test_shape_and_dim_options(tmp_path, verifier):
     from dspx.compiler.cli_compile import compile_cmd
 
     path = _save(tmp_path, [helper.make_node("MatMul", ["a", "b"], ["y"])],
@@ -287,7 +294,7 @@ def test_shape_and_dim_options(tmp_path):
                   helper.make_tensor_value_info("b", TensorProto.FLOAT, [4, "M"])],
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "M"])])
     with pytest.raises(CompileError, match=r"input 'a' has a dynamic shape \[N,4\].*--dim N=VALUE"):
-        compile_onnx(path, tmp_path / "o0", progress=False)
+        compile_onnx(path, tmp_path / "o0", progress=False, verifier=verifier)
     r = CliRunner().invoke(compile_cmd, [str(path), "-o", str(tmp_path / "o1"), "--dim", "N=3",
                                          "--shape", "b=4,5", "--json"])
     assert r.exit_code == 0, r.output
@@ -300,11 +307,11 @@ def test_shape_and_dim_options(tmp_path):
     assert r.exit_code == 1 and "dimension 1 is fixed at 4 in the model, not 5" in r.output
 
 
-def test_target_recorded_and_checked_by_the_loader(tmp_path, device, client_of):
+def test_target_recorded_and_checked_by_the_loader(tmp_path, device, client_of, verifier):
     from dspx.errors import ModuleLoadError
 
     path = _relu_conv(tmp_path)
-    meta = compile_onnx(path, tmp_path / "v3", progress=False, target="x86-64-v3")
+    meta = compile_onnx(path, tmp_path / "v3", progress=False, target="x86-64-v3", verifier=verifier)
     assert meta["target"]["mcpu"] == "x86-64-v3" and "avx2" in meta["cpu_features"]
     assert "avx512f" not in meta["cpu_features"]
     # A CPU with features this machine lacks: not verifiable here, refused by the loader.
@@ -312,17 +319,17 @@ def test_target_recorded_and_checked_by_the_loader(tmp_path, device, client_of):
 
     lacking = next((cpu, f) for cpu, f in (("sapphirerapids", "avx512_fp16"), ("znver4", "avx512_bf16"),
                                            ("x86-64-v4", "avx512f")) if f not in host_features())
-    meta = compile_onnx(path, tmp_path / "foreign", progress=False, target=lacking[0])
+    meta = compile_onnx(path, tmp_path / "foreign", progress=False, target=lacking[0], verifier=verifier)
     assert meta["verify"]["skipped"].startswith("this machine lacks")
     c = client_of(device.path, staging_size=8 << 20)
     with pytest.raises(ModuleLoadError, match=rf"needs .*{lacking[1]}.*which this device's CPU lacks"):
         c.load_module((tmp_path / "foreign" / "model.so").read_bytes())
     c.load_module((tmp_path / "v3" / "model.so").read_bytes())  # the portable one loads
     with pytest.raises(CompileError, match="unknown --target 'pentium9'"):
-        compile_onnx(path, tmp_path / "bad", progress=False, target="pentium9")
+        compile_onnx(path, tmp_path / "bad", progress=False, target="pentium9", verifier=verifier)
 
 
-def test_batchnorm_folded_and_sum_fused_into_the_conv_kernel(tmp_path):
+def test_batchnorm_folded_and_sum_fused_into_the_conv_kernel(tmp_path, verifier):
     # Conv -> BatchNormalization -> Sum(residual) -> Relu, as Caffe2/old exporters write ResNets:
     # one conv2d_add kernel call, matching onnxruntime on the unfolded graph.
     rng = np.random.default_rng(2)
@@ -336,6 +343,6 @@ def test_batchnorm_folded_and_sum_fused_into_the_conv_kernel(tmp_path):
                             helper.make_node("Relu", ["s"], ["y"])],
                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 6, 6])],
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 6, 6])], inits)
-    meta = compile_onnx(path, tmp_path / "out", progress=False)
+    meta = compile_onnx(path, tmp_path / "out", progress=False, verifier=verifier)
     assert meta["kernel_imports"] == ["dspx.kernels.conv2d_add"]
     assert meta["verify"]["reference"] == "onnxruntime" and meta["verify"]["max_abs_error"]["y"] < 1e-4
