@@ -560,3 +560,33 @@ def test_a_library_that_hangs_at_import_on_one_core_is_refused_everywhere(stubbo
                 u.run(0x3E02, u.malloc(4), u.malloc(4), core=0)
     finally:
         d.stop()
+
+
+def test_a_full_accept_backlog_is_waited_for_not_taken_for_no_device(tmp_path):
+    """While another client floods the device, a newcomer's connect waits
+    (within its timeout) instead of reading EAGAIN as "nobody listens"."""
+    from dspx.transport import TransportError, connect, is_listening
+    path = str(tmp_path / "s")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(0)
+    filler = []
+    while True:  # fill the backlog
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        c.setblocking(False)
+        try:
+            c.connect(path)
+        except BlockingIOError:
+            c.close()
+            break
+        filler.append(c)
+    assert is_listening(path)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError, match="backlog stayed full"):
+        connect(path, timeout=0.3)
+    assert time.monotonic() - t0 >= 0.3
+    srv.accept()[0].close()  # room again: the next connect gets in
+    connect(path, timeout=5).close()
+    for c in filler:
+        c.close()
+    srv.close()

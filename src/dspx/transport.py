@@ -120,10 +120,27 @@ def is_listening(path: str) -> bool:
     try:
         s.connect(path)
         return True
+    except (BlockingIOError, InterruptedError):  # EAGAIN: its backlog is full, but a device listens
+        return True
     except OSError:
         return False
     finally:
         s.close()
+
+
+def _connect(s: socket.socket, path: str, timeout: float) -> None:
+    """connect() that waits while the listener's backlog is full: on AF_UNIX
+    a socket with a timeout gets EAGAIN at once instead of waiting (another
+    client flooding the device must not make it look absent)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            s.connect(path)
+            return
+        except (BlockingIOError, InterruptedError):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(errno.ETIMEDOUT, "the device's accept backlog stayed full") from None
+            time.sleep(0.005)
 
 
 def check_peer_uid(uid: int, path: str, expected: int | None = None) -> None:
@@ -140,7 +157,7 @@ def connect(path: str, timeout: float = 5.0) -> "Endpoint":
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     s.settimeout(timeout)
     try:
-        s.connect(path)
+        _connect(s, path, timeout)
         check_peer_uid(peer_uid(s), path)
     except UntrustedPath:
         s.close()
