@@ -899,8 +899,31 @@ REFUSALS = [  # (request builder, status, words the GET_ERROR text must hold)
     (lambda f, b: P.DynLoad(elf_size=100), S.ERR_INVALID, "DYN_LOAD: this connection has no staging buffer attached"),
     (lambda f, b: P.ModelLoad(weights_size=1, flags=1), S.ERR_INVALID, "flags and reserved fields must be zero"),
     (lambda f, b: P.ModelLoad(weights_size=100), S.ERR_INVALID, "MODEL_LOAD: this connection has no staging buffer"),
+    (lambda f, b: P.InferLarge(module_handle=f.module(), num_inputs=1, descs_addr=b, descs_size=80, reserved=1),
+     S.ERR_INVALID, "reserved must be zero"),
+    (lambda f, b: P.InferLarge(module_handle=f.module(), num_inputs=4097, descs_size=4097 * 80), S.ERR_INVALID,
+     "num_inputs 4097 is beyond any module (limit 4096)"),
+    (lambda f, b: P.InferLarge(module_handle=f.module(), num_inputs=2, descs_size=80), S.ERR_INVALID,
+     "descs_size 80 != num_inputs 2 x 80"),
+    (lambda f, b: P.Infer(module_handle=f.module(), num_inputs=2, input_dsp_addr=b, input_size=4096,
+                          result_dsp_addr=b, result_size=4096, descs=[_desc(b + 128)]), S.ERR_INVALID,
+     "num_inputs 2 but 1 descriptors inline"),
+    (lambda f, b: infer_req(b, f.module(), 4096, [_desc(b + 128)], flags=1 << 31), S.ERR_INVALID,
+     "INFER flags 0x80000000 set reserved bits 18-31"),
+    (lambda f, b: P.Infer(module_handle=f.module(), model_id=99, num_inputs=1, input_dsp_addr=b, input_size=4096,
+                          result_dsp_addr=b, result_size=4096, descs=[_desc(b + 128)]), S.ERR_HANDLE,
+     "unknown model id 99"),
+    (lambda f, b: infer_req(b, f.module(dict(SIG, weights="separate")), 4096, [_desc(b + 128)]), S.ERR_WEIGHTS,
+     "module was compiled with separate weights: load them with MODEL_LOAD and pass the model id"),
+    (lambda f, b: infer_req(b + 8192, f.module(), 64, [_desc(b + 8192)]), S.ERR_ADDR, "input range 0x"),
+    (lambda f, b: infer_req(b, f.module(), 4096, [_desc(b + 128)], out=(b + 8192, 64)), S.ERR_ADDR,
+     "result range 0x"),
+    (lambda f, b: infer_req(b, f.module(), 4096, [_desc(b + 128)], flags=P.FLAG_KV_RESIDENT), S.ERR_INVALID,
+     "KV_RESIDENT needs a staging buffer with a KV region"),
 ]
-EXACT = {"reserved must be zero", "flags and reserved fields must be zero"}  # fixed texts: all of it
+EXACT = {"reserved must be zero", "flags and reserved fields must be zero",
+         "module was compiled with separate weights: load them with MODEL_LOAD and pass the model id",
+         "KV_RESIDENT needs a staging buffer with a KV region"}  # fixed texts: all of it
 
 
 @pytest.mark.parametrize("build,want,words", REFUSALS, ids=[w for *_, w in REFUSALS])
@@ -1093,3 +1116,66 @@ def test_loaded_weights_are_recorded_on_core_0_at_its_incarnation(front):
     (r,) = responses(job.on_done(jobs.Done(job.rec.job, value=jobs.WeightsLoaded(2, 64))))
     rec = front.st.models[r.model_id]
     assert (rec.cid, rec.core, rec.generation, rec.ddr_bytes, rec.num_constants) == (front.conn.cid, 0, 1, 64, 2)
+
+
+
+# ---------------------------------------------------------------- calls: deadlines, plans, errors
+
+def test_a_call_with_a_time_limit_gets_its_deadline_in_seconds(front):
+    import time
+
+    t0 = time.monotonic()
+    job = submitted(_rpc(front, timeout_ms=1500))
+    assert t0 + 1.5 <= job.deadline <= time.monotonic() + 1.5
+
+
+def test_a_failed_call_is_kept_for_get_error_and_a_success_is_not(front):
+    job = submitted(_rpc(front, timeout_ms=0))
+    assert job.on_done(jobs.Done(job.rec.job, S.SUCCESS, seq=5)) == [] and front.conn.last_error == (0, 0, "")
+    job.on_done(jobs.Done(job.rec.job, S.ERR_CALL, "handler raised", seq=6))
+    assert front.conn.last_error == (6, S.ERR_CALL, "handler raised")
+
+
+def test_infer_large_uses_the_table_read_for_its_key_not_what_is_in_memory_now(front):
+    base, h = front.attach(4096), front.module()
+    mm = front.conn.bufs[base].region.mm
+    mm[:80] = _desc(base + 128).encode()
+    req = P.InferLarge(module_handle=h, num_inputs=1, descs_addr=base, descs_size=80, input_dsp_addr=base,
+                       input_size=4096, result_dsp_addr=base, result_size=4096)
+    key = Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, req.encode())
+    mm[:80] = _desc(base + 256).encode()  # the host rewrites the table after sending
+    job = submitted(front.h.handle(front.conn, req, [], key))
+    assert job.plan.spec.inputs[0][1] == 128 and front.conn.plans[key] is job.plan
+
+
+def test_a_staging_buffer_without_kv_has_no_kv_region(front):
+    front.attach(MiB, staging=True, kv=0)
+    assert front.conn.kv_region() is None
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)], flags=P.FLAG_KV_RESIDENT))) == S.ERR_INVALID
+
+
+def test_model_load_is_a_job_for_core_0_reading_the_staged_bytes(front):
+    front.h.cores.generation = lambda i: 1 if i == 0 else None
+    front.attach(MiB, staging=True)
+    st = front.conn.staging
+    job = submitted(front(P.ModelLoad(seq=3, weights_size=100)))
+    assert (job.rec.buf, job.rec.size, job.core, job.conn, job.req.seq, job.bufs) == (st.buf_id, 100, 0, front.conn,
+                                                                                     3, [st])
+    (r,) = responses(job.on_done(jobs.Done(job.rec.job, value=jobs.WeightsLoaded(1, 8))))
+    assert front.st.models[r.model_id].generation == 1
+
+
+@pytest.mark.parametrize("desc,ok", [
+    (P.TensorDesc(0, 4, 0, 2, 32, ()), True),               # a scalar: ndim 0
+    (P.TensorDesc(0, 4, 6, 2, 32, (1,) * 6), True),         # ndim 6
+    (P.TensorDesc(0, 0, 2, 2, 32, (0, 5)), True),           # an empty tensor
+    (P.TensorDesc(0, 2, 1, 1, 8, (2,)), True),              # uint8: 1 byte each
+    (P.TensorDesc(0, 3, 1, 2, 16, (2,)), False),            # float16 x2 is 4 bytes, not 3
+])
+def test_descriptor_edges(desc, ok):
+    assert (desc.check() is None) == ok, desc.check()
+
+
+def test_descriptor_size_text_names_bytes_per_element():
+    assert P.TensorDesc(0, 5, 1, 0, 16, (2,)).check() == "data_size 5 != 2 elements x 2 bytes for shape [2]"
