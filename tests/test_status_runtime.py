@@ -219,3 +219,40 @@ def test_settle_reports_leftover_copies_and_tiles(core):
     assert any("1 DMA copies not waited for" in n for n in notes)
     assert any("1 L2 tiles allocated" in n for n in notes)
     assert core.tm.live() == [] and core.settle() == []
+
+
+# ------------------------------------------------------------------ what refusals say
+
+@pytest.mark.parametrize("call,text", [
+    (lambda tm: tm.alloc("64", 0), "tile size must be an integer, got str"),
+    (lambda tm: tm.alloc(64, -1), "bank must be >= 0, got -1"),
+    (lambda tm: tm.alloc(64, 0, align=0), "align must be >= 1, got 0"),
+    (lambda tm: tm.free("not a tile"), "free of an array that is not a live tile (double free, or not from tm.alloc)"),
+])
+def test_tile_misuse_says_what(core, call, text):
+    with pytest.raises(RuntimeMisuse) as e:
+        call(core.tm)
+    assert str(e.value) == text
+
+
+def test_dma_channel_misuse_says_what(core):
+    with pytest.raises(RuntimeMisuse) as e:
+        core.dma.copy(-1, np.zeros(8, np.uint8), np.zeros(8, np.uint8), 8)
+    assert str(e.value) == "DMA channel must be >= 0, got -1"
+
+
+def test_a_one_byte_hole_is_still_free(core):
+    core.tm.alloc(4095, 0, align=1)
+    assert core.tm.free_bytes(0) == 1 and core.tm.alloc(1, 0, align=1).nbytes == 1
+
+
+def test_a_full_bank_reports_no_hole(core):
+    core.tm.alloc(4096, 1)
+    with pytest.raises(TileExhausted) as e:
+        core.tm.alloc(1, 1)
+    assert (e.value.free, e.value.largest) == (0, 0)
+
+
+def test_dma_workers_are_named_daemon_threads(core):
+    assert [t.name for t in core.dma.threads] == ["dspx-dma0", "dspx-dma1"]
+    assert all(t.daemon and t.is_alive() for t in core.dma.threads)
