@@ -265,3 +265,32 @@ def test_failure_response_saturates_each_figure_to_its_fields_width():
     assert (P.failure_response(P.MsgType.INFER, 1, -2, return_value=(1 << 31) - 1).return_value,
             P.failure_response(P.MsgType.INFER, 1, -2, result_required=(1 << 64) - 1).result_required) == \
         ((1 << 31) - 1, (1 << 64) - 1)
+
+
+H = struct.Struct("<IIIi")
+
+
+@pytest.mark.parametrize("data,status,seq,mtype,text", [
+    (b"\x01\x00\x00", Status.ERR_INVALID, None, None, "message of 3 bytes is shorter than the 16-byte header"),
+    (b"\xff\xff\xff\xff", Status.ERR_INVALID, None, 0xFFFFFFFF, "message of 4 bytes is shorter than the 16-byte header"),
+    (b"\x01\x00\x00\x00\xff\xff\xff", Status.ERR_INVALID, None, 1, "message of 7 bytes is shorter than the 16-byte header"),
+    (b"\x01\x00\x00\x00\xfe\xff\xff\xff", Status.ERR_INVALID, 0xFFFFFFFE, 1,
+     "message of 8 bytes is shorter than the 16-byte header"),
+    (H.pack(0xFFFFFF00, 0xFFFFFFF0, 513, 0) + bytes(497), Status.ERR_INVALID, 0xFFFFFFF0, 0xFFFFFF00,
+     "message of 513 bytes exceeds 512"),
+    (H.pack(0x77, 5, 16, 0), Status.ERR_OP, 5, 0x77, "unknown message type 0x0077"),
+    (H.pack(1, 6, 20, 0) + bytes(4), Status.ERR_INVALID, 6, 1, "Ping must be 16 bytes, got 20"),
+    (H.pack(0x21, 7, 100, 0) + bytes(84), Status.ERR_INVALID, 7, 0x21,
+     "Infer: descriptor tail of 36 bytes is not a multiple of 80"),
+])
+def test_decode_error_table(data, status, seq, mtype, text):
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode(data)
+    assert (e.value.status, e.value.seq, e.value.msg_type, str(e.value)) == (status, seq, mtype, text)
+
+
+def test_a_datagram_of_exactly_512_bytes_decodes():
+    r = P.GetErrorResp(seq=1, error_seq=2, error_status=-2, payload=b"x" * P.GetErrorResp.MAX_TEXT)
+    raw = r.encode()
+    assert len(raw) == 512 and P.decode(raw).payload == b"x" * 488
+    assert P.decode(memoryview(raw)).payload == b"x" * 488 and P.decode(bytearray(raw)).error_seq == 2
