@@ -1179,3 +1179,48 @@ def test_descriptor_edges(desc, ok):
 
 def test_descriptor_size_text_names_bytes_per_element():
     assert P.TensorDesc(0, 5, 1, 0, 16, (2,)).check() == "data_size 5 != 2 elements x 2 bytes for shape [2]"
+
+
+# ---------------------------------------------------------------- BUF_ATTACH in full
+
+def _attach_text(front, req, fds):
+    st = status(front(req, fds))
+    (e,) = responses(front(P.GetError()))
+    return st, e.payload.decode()
+
+
+def test_buf_attach_refusal_texts(front):
+    assert _attach_text(front, P.BufAttach(size=4096), []) == (S.ERR_INVALID, "BUF_ATTACH needs exactly one fd, got 0")
+    assert _attach_text(front, P.BufAttach(size=4096, flags=6), [_dmabuf(front)]) == \
+        (S.ERR_INVALID, "unknown attach flags 0x6")
+    assert _attach_text(front, P.BufAttach(size=4096, kv_size=64), [_dmabuf(front)]) == \
+        (S.ERR_INVALID, "kv_size must be zero unless attaching a staging buffer")
+    assert _attach_text(front, P.BufAttach(size=4096, flags=1, kv_size=8192), [_dmabuf(front)]) == \
+        (S.ERR_INVALID, "KV region of 8192 bytes does not fit a 4096-byte staging buffer")
+    front.attach(4096, staging=True)
+    assert _attach_text(front, P.BufAttach(size=4096, flags=1), [_dmabuf(front)]) == \
+        (S.ERR_INVALID, "this connection already has a staging buffer")
+
+
+def test_buf_attach_answers_its_seq_address_and_size(front):
+    (r,) = responses(front(P.BufAttach(seq=12, size=5000), [_dmabuf(front, 8192)]))
+    assert (r.seq, r.status, r.dsp_addr, r.size) == (12, 0, memory.CARVEOUT_BASE, 5000)
+
+
+def test_the_devices_buffer_limit_counts_every_connection(front):
+    front.st.limits.bufs_total = 2
+    front.attach(4096)
+    other = _other_conn(front)
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    assert status(front.h.handle(other, P.BufAttach(size=4096), [os.dup(b.fd)])) == 0
+    st, text = _attach_text(front, P.BufAttach(size=4096), [_dmabuf(front)])
+    assert st == S.ERR_NOMEM and text.startswith("device has 2 buffers attached (limit 2 for all connections")
+
+
+def test_a_connection_may_attach_up_to_its_byte_quota(front):
+    front.st.limits.conn_bytes = 3 * 4096
+    front.attach(8192)
+    front.attach(4096)  # exactly the quota
+    st, text = _attach_text(front, P.BufAttach(size=4096), [_dmabuf(front)])
+    assert st == S.ERR_NOMEM and text.startswith("connection quota: 4096 bytes requested, 12288 of 12288")
