@@ -56,7 +56,6 @@ def abuse(path, rounds, q):
     from dspx.abi import protocol as P
     from dspx.errors import DeviceError
     from dspx.host.client import Client
-    from dspx.memory import DmaBuf
 
     hdr = struct.Struct("<IIIi")
     st = collections.Counter()

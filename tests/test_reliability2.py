@@ -24,7 +24,6 @@ from dspx.abi import protocol as P
 from dspx.errors import DeviceError, DspxError, OutOfMemory
 from dspx.host.client import Client
 from dspx.host.tasks import Tasks
-from dspx.memory import DmaBuf
 from dspx.transport import UntrustedPath, check_peer_uid
 from conftest import Device
 

@@ -36,7 +36,8 @@ from elftools.elf.elffile import ELFFile
 from ...abi.protocol import Status
 from . import probe
 from .errors import OpLoadError, OpSymbolError
-from .native_exports import ALLOWED_NEEDED, check_imports
+from .exports import ALLOWED_NEEDED
+from .native_exports import check_imports
 
 ELF_MAGIC = b"\x7fELF"
 INIT_SYMBOL = "dspx_ops_init"

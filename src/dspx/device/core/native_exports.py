@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .exports import _MATH, ALLOWED_NEEDED  # noqa: F401 (ALLOWED_NEEDED: re-exported for native)
+from .exports import _MATH
 
 #: The SDK: implemented by the core's runtime shim (src/dspx/sdk/dsp/runtime.c).
 SDK: tuple[str, ...] = (
@@ -42,8 +42,8 @@ BOILERPLATE: tuple[str, ...] = ("__cxa_finalize", "__gmon_start__", "_ITM_deregi
 
 OP_EXPORTS: frozenset[str] = frozenset(SDK + LIBC + LIBM + BOILERPLATE)
 
-#: ALLOWED_NEEDED (from exports): the only shared libraries a native library
-#: may name in DT_NEEDED, the same as for modules.
+#: The only shared libraries a native library may name in DT_NEEDED are the
+#: modules' ones: exports.ALLOWED_NEEDED.
 
 
 def check_imports(undefined: Iterable[str]) -> str | None:
