@@ -82,6 +82,7 @@ class Service:
         self.epoll = select.epoll()
         self._watch: dict[int, tuple] = {}  # fd -> (callback, arg)
         self.running = False
+        self.stopping = False  # set once a signal or shutdown began: cores that end now are not restarted
         self.log = log or (lambda *a: None)
         self._accept_paused = 0.0  # when accept() ran out of fds: retry after this time
         self._refused: dict[int, list] = {}  # fd -> [socket, close-by time, text, seq of the last refusal]
@@ -144,9 +145,11 @@ class Service:
 
     def _on_signal(self, *_):
         self.running = False
+        self.stopping = True
 
     def shutdown(self) -> None:
         self.running = False
+        self.stopping = True
         for c in self.cores:
             c.stop()
         for s, *_ in self._refused.values():
@@ -211,7 +214,7 @@ class Service:
         self._apply(None, self.handlers.replay_ops(c.index))
 
     def _core_died(self, c: CoreProc) -> None:
-        if not self.running:  # shutting down (Ctrl-C reaches the whole process group): no restart, no news
+        if self.stopping:  # shutting down (Ctrl-C reaches the whole process group): no restart, no news
             return
         code = c.proc.poll() if c.proc else None
         self.log(f"core {c.index} died (exit {code}); restarting")
