@@ -125,7 +125,9 @@ def compiled(example_onnx):
     from pathlib import Path
 
     from dspx.compiler.onnx import compile_onnx
+    from dspx.compiler.verify import Verifier
 
+    verifier = Verifier()  # one private device checks every example compiled here
     root = Path(CACHE, "modules", _compiler_digest())
     for stale in root.parent.glob("*"):  # builds by an older compiler
         if stale != root:
@@ -134,7 +136,9 @@ def compiled(example_onnx):
     def get(name: str, separate: bool = False, kernels: bool = False) -> Path:
         out = root / f"{name}{'-sep' if separate else ''}{'-k' if kernels else ''}"
         if not (out / "metadata.json").exists():
-            compile_onnx(example_onnx[name], out, separate_weights=separate, kernels=kernels, progress=False)
+            compile_onnx(example_onnx[name], out, separate_weights=separate, kernels=kernels, progress=False,
+                         verifier=verifier)
         return out
 
-    return get
+    yield get
+    verifier.close()
