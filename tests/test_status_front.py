@@ -521,10 +521,12 @@ def test_kv_resident_with_a_kv_region_is_a_job_that_says_so(front):
     ("dtype", P.TensorDesc(0, 64, 1, 3, 32, (16,))),
     ("negative", P.TensorDesc(0, 64, 2, 2, 32, (-4, -4))),
     ("data_size", P.TensorDesc(0, 60, 2, 2, 32, (2, 8))),
+    ("reserved", P.TensorDesc(0, 64, 1, 2, 32, (16,), reserved=1)),
 ])
 def test_a_malformed_descriptor_is_err_tensor_naming_what(front, why, desc):
     base, h = front.attach(4096), front.module(signature=None)
-    d = P.TensorDesc(base + 128, desc.data_size, desc.ndim, desc.dtype_code, desc.dtype_bits, desc.shape)
+    d = P.TensorDesc(base + 128, desc.data_size, desc.ndim, desc.dtype_code, desc.dtype_bits, desc.shape,
+                     desc.reserved)
     assert status(front(infer_req(base, h, 4096, [d]))) == S.ERR_TENSOR
     (e,) = responses(front(P.GetError()))
     assert why.encode() in e.payload

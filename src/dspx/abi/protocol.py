@@ -172,6 +172,8 @@ class TensorDesc:
             return f"ndim {self.ndim} outside 0..{MAX_NDIM}"
         if self.dtype is None:
             return f"unknown dtype (code {self.dtype_code}, bits {self.dtype_bits})"
+        if self.reserved:
+            return f"reserved field is {self.reserved}, must be 0"
         n = 1
         for s in self.shape:
             if s < 0:
