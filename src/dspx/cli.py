@@ -159,7 +159,12 @@ def _size_option(name, default, what):
 @click.option("--cores", default=1, show_default=True, type=click.IntRange(min=1),
               help="simulated DSP cores (one process each)")
 @click.option("--threads", default=0, type=click.IntRange(min=0), help="threads per core (default: cpus / cores)")
-def serve(socket, carveout_size, ddr_pool_size, cores, threads):
+@click.option("--job-timeout", default=0.0, type=click.FloatRange(min=0),
+              help="seconds a task or inference may run before it is stopped (0: no limit; a task's own "
+                   "timeout_ms wins)")
+@click.option("--conn-memory", default=None,
+              help="window bytes one connection may attach (64M, 1G; default: 3/4 of the window)")
+def serve(socket, carveout_size, ddr_pool_size, cores, threads, job_timeout, conn_memory):
     """Run the simulated device service in the foreground (Ctrl-C stops it)."""
     from .errors import DspxError
     from .transport import default_socket_path, is_listening
@@ -167,10 +172,14 @@ def serve(socket, carveout_size, ddr_pool_size, cores, threads):
     path = socket or os.environ.get("DSPX_SOCKET") or default_socket_path()
     if is_listening(path):
         raise DspxError(f"a device is already listening on {path} (stop it, or serve on another --socket)")
-    for opt, text in (("--carveout-size", carveout_size), ("--ddr-pool-size", ddr_pool_size)):
+    sizes = [("--carveout-size", carveout_size), ("--ddr-pool-size", ddr_pool_size)]
+    if conn_memory is not None:
+        sizes.append(("--conn-memory", conn_memory))
+    args = [sys.executable, "-m", "dspx.device", "--cores", str(cores), "--threads", str(threads), "--socket", path,
+            "--job-timeout", str(job_timeout)]
+    for opt, text in sizes:
         _parse_size(opt, text)
-    args = [sys.executable, "-m", "dspx.device", "--carveout-size", carveout_size, "--ddr-pool-size",
-            ddr_pool_size, "--cores", str(cores), "--threads", str(threads), "--socket", path]
+        args += [opt, text]
     # The device is its own program: replace this process rather than import it.
     # It reads its log level from $DSPX_LOG_LEVEL (set by the logging options).
     os.execv(sys.executable, args)
