@@ -215,7 +215,6 @@ def test_resident_equals_non_resident_and_moves_little(llm, tok):
     from dspx.host.llm import Generator
 
     g = Generator(llm, tok)
-    st = llm.client.staging
     res_r = g.generate(PROMPTS[1], 12, resident=True)
     res_n = g.generate(PROMPTS[1], 12, resident=False)
     assert res_r.ids == res_n.ids
@@ -225,7 +224,9 @@ def test_resident_equals_non_resident_and_moves_little(llm, tok):
     assert per_r <= 8 * 1024
     assert per_r == 16 + 80 * 62  # ids + position, descriptor table
     assert per_n >= 23_500_000     # 11,796,480 in + 11,796,480 out (+ ids, position, descriptors)
-    # sync counters: a resident decode never syncs the staging buffer (KV region)
+    # sync counters: a resident decode never syncs the staging buffer (KV region); staging is
+    # attached (and grown) on first need, so take it only now
+    st = llm.client.staging
     before = dict(st.synced)
     llm.prefill(tok.encode("Hello"), 0)
     llm.decode(1, 5, resident=True)
