@@ -314,7 +314,8 @@ class CoreWorker:
         try:
             sandbox.install_core()
         except OSError as e:
-            print(f"dspx-core: seccomp filter not installed ({e}); running without it", file=sys.stderr, flush=True)
+            from ...log import setup  # the host's logging setup, level from $DSPX_LOG_LEVEL
+            setup(prefix="dspx-core").warning("seccomp filter not installed (%s); running without it", e)
 
     def serve(self) -> None:
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
