@@ -88,6 +88,17 @@ def client_of():
         c.close()
 
 
+@pytest.fixture
+def front():
+    """A front's handlers driven directly, with no sockets (test_front_handlers.Front)."""
+    from test_front_handlers import Front
+
+    f = Front()
+    yield f
+    for b in f.bufs:
+        b.close()
+
+
 # ---------------------------------------------------------------- compiled example modules
 
 CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "dspx")

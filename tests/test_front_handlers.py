@@ -61,14 +61,6 @@ def submitted(actions):
     return s.job
 
 
-@pytest.fixture
-def front():
-    f = Front()
-    yield f
-    for b in f.bufs:
-        b.close()
-
-
 def infer_req(base: int, handle: int, size: int, descs, flags: int = 0, out=None):
     out_addr, out_size = out or (base, size)
     return P.Infer(module_handle=handle, num_inputs=len(descs), flags=flags, input_dsp_addr=base,

@@ -22,14 +22,6 @@ from test_front_handlers import SIG, Front, _desc, infer_req, responses, status,
 MiB = 1 << 20
 
 
-@pytest.fixture
-def front():
-    f = Front()
-    yield f
-    for b in f.bufs:
-        b.close()
-
-
 def _dmabuf(front, size=4096):
     b = memory.DmaBuf(size)
     front.bufs.append(b)

@@ -12,19 +12,11 @@ import pytest
 from dspx.abi import protocol as P
 from dspx.abi.protocol import Status as S
 from dspx.device import jobs
-from dspx.device.front.handlers import Forget, Handlers, Notify, Submit
+from dspx.device.front.handlers import Forget, Handlers, Notify
 from dspx.device.front.state import MAX_BUFS_PER_CONN, MAX_CONNS, Limits, ModuleRec
-from test_front_handlers import SIG, Front, responses, submitted
+from test_front_handlers import SIG, responses, submitted
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def front():
-    f = Front()
-    yield f
-    for b in f.bufs:
-        b.close()
 
 
 def _staged(front, data: bytes):
