@@ -17,11 +17,7 @@ from dspx.compiler.checks import (CompileError, apply_shapes, fold_batchnorm, im
 from dspx.compiler.module import (IO_META_NAME, METADATA_FILE, MODULE_FILE, SIGNATURE_NAME, WEIGHTS_FILE,
                                   Signature, TensorSpec, export_module, make_io_meta, write_metadata,
                                   write_weights)
-
-# Initializers below this many elements stay embedded even with separate
-# weights: shapes, axes and scalars must be compile-time constants for the
-# frontend to produce static shapes, and are not worth shipping apart anyway.
-MIN_WEIGHT_ELEMENTS = 64
+from dspx.compiler.weights import MIN_WEIGHT_ELEMENTS, rebuild_graph
 
 
 def detect_mcpu() -> str:
@@ -142,15 +138,7 @@ def _split_weights(model: onnx.ModelProto) -> onnx.ModelProto:
             keep.append(init)
         else:
             consts.append(onnx.helper.make_node("Constant", [], [init.name], value=init))
-    moved = {n.output[0] for n in consts}
-    inputs = [i for i in g.input if i.name not in moved]  # old exporters list initializers as inputs
-    del g.initializer[:]
-    g.initializer.extend(keep)
-    del g.input[:]
-    g.input.extend(inputs)
-    nodes = consts + list(g.node)
-    del g.node[:]
-    g.node.extend(nodes)
+    rebuild_graph(g, keep, consts, {n.output[0] for n in consts})
     return model
 
 

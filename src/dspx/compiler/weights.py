@@ -25,7 +25,24 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 MODES = ("float32", "float16", "int8")
-MIN_ELEMENTS = 64  # as dspx.compiler.onnx.MIN_WEIGHT_ELEMENTS
+# An initializer is a weight (an entry parameter, stored in weights.bin and
+# reducible here) from this many elements up: shapes, axes and scalars must
+# stay compile-time constants for the importer.
+MIN_WEIGHT_ELEMENTS = 64
+
+
+def rebuild_graph(g, initializers, first_nodes, drop_inputs: set[str]) -> None:
+    """Give graph ``g`` these initializers and ``first_nodes`` ahead of its own
+    nodes, without the graph inputs named in ``drop_inputs`` (old exporters
+    list initializers as inputs)."""
+    inputs = [i for i in g.input if i.name not in drop_inputs]
+    nodes = list(first_nodes) + list(g.node)
+    del g.initializer[:]
+    g.initializer.extend(initializers)
+    del g.input[:]
+    g.input.extend(inputs)
+    del g.node[:]
+    g.node.extend(nodes)
 
 
 def _channel_axes(model: onnx.ModelProto) -> dict[str, int | None]:
@@ -72,7 +89,7 @@ def reduce_weights(model: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto, 
     keep, nodes = [], []
     for init in g.initializer:
         w = numpy_helper.to_array(init)
-        if w.dtype != np.float32 or w.size < MIN_ELEMENTS:
+        if w.dtype != np.float32 or w.size < MIN_WEIGHT_ELEMENTS:
             keep.append(init)
             continue
         name = init.name
@@ -98,13 +115,5 @@ def reduce_weights(model: onnx.ModelProto, mode: str) -> tuple[onnx.ModelProto, 
         denom = float(np.max(np.abs(w))) or 1.0
         report["max_rel_weight_error"] = max(report["max_rel_weight_error"],
                                              float(np.max(np.abs(back - w))) / denom)
-    inits = {i.name for i in g.initializer}
-    inputs = [i for i in g.input if i.name not in inits]  # old exporters list initializers as inputs
-    del g.initializer[:]
-    g.initializer.extend(keep)
-    del g.input[:]
-    g.input.extend(inputs)
-    all_nodes = nodes + list(g.node)
-    del g.node[:]
-    g.node.extend(all_nodes)
+    rebuild_graph(g, keep, nodes, {i.name for i in g.initializer})
     return model, report
