@@ -70,6 +70,14 @@ KERNELS: dict[str, KernelABI] = {
     "rope": _abi("data positions", "theta mode"),
     "attention_decode": _abi("q k_cache v_cache", "length scale"),
     "kv_update": _abi("cache new", "pos"),
+    # int8 activations x int8 weights (dspx compile --quantize int8, docs/quantize.md): the input
+    # is quantized with its calibrated (in_scale, in_zero) to uint8, a conv's result requantized
+    # with (out_scale, out_zero); float32 in and out; weight = q * wscale per output channel
+    "conv2d_q8": _abi("data weight bias wscale",
+                      "strides padding dilation groups layout act in_scale in_zero out_scale out_zero"),
+    "conv2d_add_q8": _abi("data weight bias residual wscale",
+                          "strides padding dilation groups layout act in_scale in_zero out_scale out_zero"),
+    "dense_q8": _abi("data weight bias wscale", "trans_b act in_scale in_zero"),
 }
 
 #: which argument positions of a kernel may take a blocked tensor, and the flag that says so

@@ -884,3 +884,4 @@ def warmup() -> None:
 # registers them in KERNELS above.  Re-exported for callers of this module.
 from .llm_kernels import (_dequant, attention_decode, configure_gemv, gemv_q4, gemv_q4_1,  # noqa: E402,F401
                           gemv_q8, kv_update, rmsnorm, rope, silu_mul)
+from .q8_kernels import conv2d_add_q8, conv2d_q8, dense_q8  # noqa: E402,F401  (--quantize int8)
