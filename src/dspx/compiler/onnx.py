@@ -240,21 +240,21 @@ def _pipeline(target, record: dict):
     return tvm.transform.Sequential(passes, name="dspx.pipeline")
 
 
-def _rewrite_kernels(mod, target) -> tuple[object, list[str]]:
+def _rewrite_kernels(mod, target, blocked: bool = True) -> tuple[object, list[str]]:
     """Hook for the firmware kernel library: offload operators to kernels the
     device exports, if the rewrite module is present."""
     try:
         from dspx.compiler import kernel_rewrite
     except ImportError:
         return mod, []
-    mod, names = kernel_rewrite.rewrite(mod, target)
+    mod, names = kernel_rewrite.rewrite(mod, target, blocked=blocked)
     return mod, sorted(set(names))
 
 
 def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bool = True,
                  progress: bool = True, *, target: str | None = None, verify: bool = True,
                  shapes: dict | None = None, dims: dict | None = None, weights: str = "float32",
-                 verifier=None) -> dict:
+                 verifier=None, quantize: str | None = None, calibrate=None) -> dict:
     """Compile an ONNX model into ``outdir``; returns the metadata written to
     ``outdir/metadata.json`` (plus ``"timings"`` in seconds per stage).
 
@@ -266,6 +266,8 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
     shapes / dims: {input: [d0, d1, ...]} / {symbol: value} for dynamic inputs.
     weights: "float32", "float16" or "int8" (implies separate weights).
     verifier: a dspx.compiler.verify.Verifier to reuse across compiles.
+    quantize / calibrate: "int8" and the .npz of calibration inputs: int8
+        post-training quantization (dspx.compiler.quantize, docs/quantize.md).
     """
     import tvm
     from tvm import relax
@@ -303,6 +305,13 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
         num_inputs = len(func.params) - len(params)
         inputs, outputs = _io_specs(model, func, num_inputs)
         weight_names = [p.name for p in func.params[num_inputs:]]
+    qplan = None
+    if quantize:
+        from dspx.compiler.quantize import prepare
+
+        with prog.stage("calibrate", "calibrate int8 activation ranges"):
+            qplan = prepare(model, quantize, calibrate, kernels=kernels, separate_weights=separate_weights,
+                            weights=weights)
 
     target = tvm.target.Target(target_dict)
     imports: list[str] = []
@@ -311,7 +320,9 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
         try:
             mod = relax.transform.DecomposeOpsForInference()(mod)  # BatchNorm etc. to arithmetic
             if kernels:
-                mod, imports = _rewrite_kernels(mod, target)
+                mod, imports = _rewrite_kernels(mod, target, blocked=qplan is None)
+                if qplan is not None:  # int8 kernels take plain NCHW tensors
+                    mod, imports = qplan.lower(mod)
             with target:
                 mod = _pipeline(target, record)(mod)
         except CompileError:
@@ -354,10 +365,15 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
                     original = onnx.load(str(model_path))
                     apply_shapes(original, shapes, dims)
                     original = original.SerializeToString()
-                report = _verify.verify(outdir, meta, reference.SerializeToString(), imported, params,
-                                        verifier=verifier, float32_model=original)
+                if qplan is not None:
+                    report = qplan.verify(outdir, meta, onnx.load(str(model_path)), shapes, dims, verifier)
+                else:
+                    report = _verify.verify(outdir, meta, reference.SerializeToString(), imported, params,
+                                            verifier=verifier, float32_model=original)
             meta = _metadata(outdir, sig, io_meta, target_dict, tvm.__version__, separate_weights, wreport,
                              report)
+    if qplan is not None:
+        meta = qplan.record(outdir, meta)
     meta["timings"] = prog.times
     return meta
 
