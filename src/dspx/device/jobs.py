@@ -33,6 +33,9 @@ MAX_JOB_FDS = 250  # SCM_MAX_FD: every buffer a connection has, on its first job
 class Job:
     job: int = 0  # 0: nothing to answer
     new_bufs: list = field(default_factory=list)  # [(buf_id, size)], fds in the same order
+    # First unmap every buffer and drop every plan: this job is another
+    # connection's (or the device's), and a core holds one owner's buffers only.
+    drop_bufs: bool = False
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ sent it once), right after the ``Done``.
 from __future__ import annotations
 
 import argparse
+import gc
 import mmap
 import os
 import signal
@@ -84,6 +85,8 @@ class CoreWorker:
 
     # ---------------------------------------------------------------- buffers and clients
     def _take_fds(self, rec: jobs.Job, fds: list[int]) -> None:
+        if rec.drop_bufs:
+            self.drop_buffers()
         if isinstance(rec, jobs.Call) and rec.new_conn:
             if not fds:
                 raise RuntimeError("a client socket was announced without its fd")
@@ -103,6 +106,29 @@ class CoreWorker:
                 os.close(fd)
         for fd in fds:
             os.close(fd)
+
+    def drop_buffers(self) -> None:
+        """Unmap every buffer and drop every plan (they hold views of them):
+        the next job is another connection's, and its code must find no page
+        of this one's memory.  A mapping whose view escaped (user code kept
+        one) cannot be closed; its pages are replaced by an inaccessible
+        anonymous mapping instead, so nothing can read them (a stale view
+        faults its core)."""
+        self.plans.clear()
+        kept = []
+        for mm in self.bufs.values():
+            try:
+                mm.close()
+            except BufferError:
+                kept.append(mm)
+        self.bufs.clear()
+        if kept:
+            gc.collect()  # views in reference cycles (a plan's, a traceback's)
+            for mm in kept:
+                try:
+                    mm.close()
+                except BufferError:
+                    _blank(mm)
 
     def forget(self, rec: jobs.Forget) -> None:
         for p in rec.plans:
@@ -375,6 +401,22 @@ class CoreWorker:
         except jobs.RecordTooLarge as e:
             jobs.send(self.ep, jobs.Done(done.job, int(Status.ERR_GENERIC), f"the result could not be reported: {e}",
                                          done.seq))
+
+
+def _blank(mm: mmap.mmap) -> None:
+    """Replace a mapping's pages with PROT_NONE anonymous memory in place
+    (MAP_FIXED): the mmap object lives on (a view of it escaped), its data
+    is gone from this process."""
+    import ctypes
+    probe_view = ctypes.c_char.from_buffer(mm)
+    addr = ctypes.addressof(probe_view)
+    del probe_view
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    prot_none, map_private, map_anonymous, map_fixed = 0, 0x02, 0x20, 0x10
+    if libc.mmap(addr, len(mm), prot_none, map_private | map_anonymous | map_fixed, -1, 0) != addr:
+        os._exit(71)  # cannot take the pages back: end the core rather than serve the next owner with them
 
 
 def _die_with_parent() -> None:

@@ -19,6 +19,11 @@ from ...transport import Endpoint, PeerClosed
 from .. import jobs
 
 
+# Jobs that map a connection's buffers or run user code (a library's top
+# level, a module's constructor): the core holds only their owner's buffers.
+OWNED_JOBS = (jobs.Call, jobs.LoadModule, jobs.LoadWeights, jobs.LoadOps)
+
+
 class CoreProc:
     #: how a core process is started (the benchmarks start an instrumented one)
     COMMAND = (sys.executable, "-m", "dspx.device.core")
@@ -39,6 +44,9 @@ class CoreProc:
         self.known_bufs: set[int] = set()
         self.known_conns: set[int] = set()
         self.plans: dict[int, int] = {}  # plan ids it holds -> their connection
+        # whose buffers it maps now (a cid, or None: the device's own copies);
+        # a job of another owner makes it drop them all first (jobs.Job.drop_bufs)
+        self.bufs_owner: int | None = None
         self.running = None  # the FrontJob it runs
         self.abort_job = None  # the running job an abort was asked for
         self.abort_deadline = 0.0
@@ -64,6 +72,18 @@ class CoreProc:
         self.generation += 1
         self.ready = False
         self._reset()
+
+    def switch_owner(self, job) -> None:
+        """Before ``job`` runs: if it is another owner's and runs code or maps
+        buffers, the core drops every mapping and plan of the previous owner."""
+        if not isinstance(job.rec, OWNED_JOBS):
+            return
+        owner = job.conn.cid if job.conn is not None else None
+        if owner != self.bufs_owner and (self.known_bufs or self.plans):
+            job.rec.drop_bufs = True
+            self.known_bufs.clear()
+            self.plans.clear()
+        self.bufs_owner = owner
 
     def finished(self) -> bool:
         """Whether the running Call has ended with SUCCESS (the status page says so)."""

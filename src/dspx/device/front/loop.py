@@ -417,6 +417,7 @@ class Service:
     def _start_job(self, c: CoreProc, job: FrontJob) -> None:
         rec = job.rec
         fds = []
+        c.switch_owner(job)
         if isinstance(rec, jobs.Call):
             if job.plan.plan_id not in c.plans:
                 rec.spec = job.plan.spec
