@@ -110,7 +110,7 @@ def timed(call, order, n: int) -> list[int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", default="3f1c9a0~0", help="git revision to compare against (default: see --help)")
+    ap.add_argument("--baseline", default="04a7f56~1", help="git revision to compare against (default: the tree before the change)")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--calls", type=int, default=200, help="calls per pattern per round")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "switch.json"))
