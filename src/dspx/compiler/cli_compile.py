@@ -38,8 +38,14 @@ def _shape(t: dict) -> str:
               help="value of a symbolic dimension of the inputs (repeatable)")
 @click.option("--no-verify", is_flag=True,
               help="skip running the module on a device against onnxruntime (or TVM's unoptimized build)")
+@click.option("--quantize", type=click.Choice(["int8"]), default=None,
+              help="int8 post-training quantization of Conv/Gemm/MatMul (needs --calibrate; docs/quantize.md)")
+@click.option("--calibrate", "calibrate", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              metavar="INPUTS.npz",
+              help="calibration inputs for --quantize: one array per model input, samples along axis 0")
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
-def compile_cmd(model, outdir, separate_weights, no_kernels, target, weights, shapes, dims, no_verify, as_json):
+def compile_cmd(model, outdir, separate_weights, no_kernels, target, weights, shapes, dims, no_verify, quantize,
+                calibrate, as_json):
     """Compile an ONNX MODEL into a module the device loads at run time (DYN_LOAD).
 
     The compiled module is run once on a private device against a reference
@@ -50,7 +56,8 @@ def compile_cmd(model, outdir, separate_weights, no_kernels, target, weights, sh
     try:
         meta = compile_onnx(model, outdir, separate_weights=separate_weights, kernels=not no_kernels,
                             target=target, verify=not no_verify, shapes=parse_shapes(shapes),
-                            dims=parse_dims(dims), weights=weights, progress=not as_json)
+                            dims=parse_dims(dims), weights=weights, progress=not as_json, quantize=quantize,
+                            calibrate=calibrate)
     except CompileError as e:
         if as_json:
             click.echo(json.dumps({"status": "error", "error": "CompileError", "message": str(e),
@@ -78,6 +85,11 @@ def compile_cmd(model, outdir, separate_weights, no_kernels, target, weights, sh
     if prec.get("mode", "float32") != "float32":
         lines.append(f"  precision {prec['mode']}: {prec['int8']} int8, {prec['float16']} float16 tensors, "
                      f"{_size(prec['float32_bytes'])} -> {_size(prec['stored_bytes'])}")
+    q = meta.get("quantize")
+    if q:
+        lines.append(f"  quantized {q['mode']}: " + ", ".join(f"{n} {k.split('.')[-1]}"
+                                                          for k, n in sorted(q["kernels"].items()))
+                     + f" (calibrated on {q['samples']} samples)")
     lines.append(f"  target    {meta['target']['mcpu']} (needs {', '.join(meta.get('cpu_features', [])) or '-'})")
     lines.append("  verified  " + _verified(meta.get("verify")))
     click.echo("\n".join(lines))
@@ -88,6 +100,10 @@ def _verified(v) -> str:
         return "no (--no-verify)"
     if "skipped" in v:
         return f"no: {v['skipped']}"
+    if "vs_qdq" in v:  # --quantize: on the calibration samples
+        return "; ".join(f"{k}: vs onnxruntime QDQ int8 max abs error {d['max_abs']:.2g} "
+                         f"({100 * d['rel']:.2g} %), top-1 vs float32 {100 * v['vs_float32'][k]['top1']:.0f} %"
+                         for k, d in v["vs_qdq"].items()) + f" ({v['samples']} calibration samples)"
     worst = max(v["max_abs_error"].values(), default=0.0)
     text = f"against {v['reference']} on random inputs, max abs error {worst:.2g}"
     e32 = v.get("error_vs_float32")
