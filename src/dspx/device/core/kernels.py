@@ -435,13 +435,26 @@ def _conv_ort(x, w, b, res, strides, pads, dil, groups, layout, act, out):
         out[...] = on.transpose(0, 2, 3, 1)
 
 
+def optimize_model(model: bytes) -> bytes:
+    """onnxruntime's optimized form of a model, which it writes only to a
+    file.  A sandboxed core (no new files) replaces this with its planner
+    process's (device/core/planner.py)."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as d:
+        so = ort_session_options()
+        so.optimized_model_filepath = os.path.join(d, "opt.onnx")
+        ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+        with open(so.optimized_model_filepath, "rb") as f:
+            return f.read()
+
+
 def _nchwc_plan(node, x_shape, y_shape, inits):
     """Let onnxruntime rewrite a one-op graph to NCHWc; return its NCHWc node and
     initializers (the filter comes back in MLAS' blocked order), or None."""
-    import tempfile
-
     import onnx
-    import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     g = helper.make_graph([node], "p", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
@@ -451,11 +464,7 @@ def _nchwc_plan(node, x_shape, y_shape, inits):
                            for k, v in inits.items()])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
-    with tempfile.TemporaryDirectory() as d:
-        so = ort_session_options()
-        so.optimized_model_filepath = os.path.join(d, "opt.onnx")
-        ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        opt = onnx.load(so.optimized_model_filepath)
+    opt = onnx.load_from_string(optimize_model(m.SerializeToString()))
     main = [n for n in opt.graph.node if n.domain == "com.microsoft.nchwc"
             and n.op_type not in ("ReorderInput", "ReorderOutput")]
     if len(main) != 1:
