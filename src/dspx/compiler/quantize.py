@@ -273,7 +273,10 @@ def _lower(mod, plan: QuantPlan):
             entry = None
             if isinstance(w, tvm.ir.expr.Constant) and isinstance(b, tvm.ir.expr.Constant):
                 wn = w.value.numpy()
-                entry = plan.weights.get(_digest(wn)) if wn.dtype == np.float32 else None
+                if wn.dtype == np.float32:
+                    # the importer may have folded a Gemm's transB into the constant
+                    entry = plan.weights.get(_digest(wn)) or (plan.weights.get(_digest(wn.T))
+                                                              if short == "dense" else None)
             if entry is None:
                 counts[name] += 1  # stays float32: no calibrated ONNX node has this weight
                 return call
