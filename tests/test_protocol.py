@@ -294,3 +294,60 @@ def test_a_datagram_of_exactly_512_bytes_decodes():
     raw = r.encode()
     assert len(raw) == 512 and P.decode(raw).payload == b"x" * 488
     assert P.decode(memoryview(raw)).payload == b"x" * 488 and P.decode(bytearray(raw)).error_seq == 2
+
+
+# ---------------------------------------------------------------- edges (each kills a mutant that survived)
+
+def _desc_bytes(ndim, code=2, bits=32, reserved=0, shape=(2, 3, 4, 5, 6, 7), size=0) -> bytes:
+    """docs/protocol.md: data_addr u64 @0, data_size u64 @8, ndim i32 @16, dtype_code i32 @20,
+    dtype_bits i32 @24, reserved i32 @28, shape i64 x 6 @32."""
+    return struct.pack("<QQiiii6q", 0x1000, size, ndim, code, bits, reserved, *shape)
+
+
+def test_a_scalar_descriptor_decodes_to_an_empty_shape():
+    d = P.TensorDesc.decode(_desc_bytes(0, size=4))
+    assert (d.ndim, d.shape, d.check()) == (0, (), None)
+
+
+@pytest.mark.parametrize("ndim", [-1, 7, 1 << 30])
+def test_a_descriptor_with_ndim_out_of_range_keeps_all_six_extents_and_is_refused(ndim):
+    d = P.TensorDesc.decode(_desc_bytes(ndim))
+    assert d.shape == (2, 3, 4, 5, 6, 7) and d.check() == f"ndim {ndim} outside 0..6"
+
+
+def test_a_descriptors_reserved_field_is_decoded_and_refused():
+    d = P.TensorDesc.decode(_desc_bytes(1, reserved=5, shape=(3, 0, 0, 0, 0, 0), size=12))
+    assert d.reserved == 5 and d.check() == "reserved field is 5, must be 0"
+
+
+def test_an_oversized_message_is_refused_naming_its_size():
+    descs = [P.TensorDesc.for_array(0, (1,), "float32")] * 6  # docs/protocol.md: 64 + 80·6 = 544 bytes
+    with pytest.raises(P.ProtocolError) as e:
+        P.Infer(descs=descs).encode()
+    assert str(e.value) == "Infer would be 544 bytes > 512"
+
+
+def test_io_meta_decodes_every_field_back():
+    m = P.IoMeta(3, 2, 1 << 20, (1 << 40) + 7, flags=1, reserved=9)
+    raw = m.encode()
+    # docs/protocol.md (io_meta): magic "TIOM" u32, version u32, counts u32 x2, bytes u64 x2, flags, reserved
+    assert raw == struct.pack("<IIIIQQII", 0x4D4F4954, 1, 3, 2, 1 << 20, (1 << 40) + 7, 1, 9)
+    assert P.IoMeta.decode(raw) == m
+
+
+@pytest.mark.parametrize("raw,text", [
+    (bytes(39), "io_meta blob is 39 bytes, expected 40"),
+    (struct.pack("<IIIIQQII", 0x4D4F4955, 1, 0, 0, 0, 0, 0, 0), "io_meta magic 0x4D4F4955, expected 0x4D4F4954"),
+    (struct.pack("<IIIIQQII", 0x4D4F4954, 2, 0, 0, 0, 0, 0, 0), "io_meta version 2, expected 1"),
+])
+def test_io_meta_refusals_name_the_numbers(raw, text):
+    with pytest.raises(ValueError) as e:
+        P.IoMeta.decode(raw)
+    assert str(e.value) == text
+
+
+def test_an_unsupported_dtype_is_named_with_the_supported_ones():
+    with pytest.raises(ValueError) as e:
+        P.DType.code_bits("complex64")
+    assert str(e.value) == ("unsupported dtype 'complex64'; supported: ['float16', 'float32', 'float64', 'int16', "
+                            "'int32', 'int64', 'int8', 'uint16', 'uint32', 'uint64', 'uint8']")

@@ -303,3 +303,80 @@ def test_a_reservation_without_an_input_count_reserves_no_descriptor_region():
     io.replaced("input", 4096, IN)
     io.replaced("output", 4096, OUT)
     assert io.create_input(64) == 0
+
+
+def test_start_bytes_writes_the_next_seq_at_offset_4_and_waits_for_it():
+    s = Session()
+    s.start(P.Ping())  # seq 1
+    req = bytearray(header(0x0001, 0, 16))
+    assert s.start_bytes(req) == 2
+    assert bytes(req) == header(0x0001, 2, 16)  # only bytes 4..8 changed
+    s.receive(ping_resp(2, 7))
+    assert s.take(2).uptime_ms == 7
+
+
+def test_seqs_wrap_within_the_32_bit_header_field():
+    import itertools
+
+    s = Session()
+    s._seqs = itertools.count(0xFFFF_FFFF)  # the 4,294,967,295th request of a connection
+    req = bytearray(16)
+    assert s.start_bytes(req) == 0xFFFF_FFFF and req[4:8] == b"\xff\xff\xff\xff"
+    assert s.start_bytes(req) == 0 and req[4:8] == bytes(4)  # 2**32 wraps to 0
+    s.receive(ping_resp(0, 5))
+    assert s.take(0).uptime_ms == 5
+
+
+def test_a_new_session_has_no_buffers_and_an_empty_layout_key():
+    io = Session().io
+    assert isinstance(io, IoCapacity) and (io.input, io.output, io.locked) == (0, 0, False)
+    # sizes, addresses, KV address, descriptor region, created arrays: nothing yet
+    assert io.state() == (0, 0, 0, 0, 0, 0, None)
+
+
+def test_a_declaration_grows_only_a_side_that_is_too_small():
+    io = with_buffers(4096, 4096, num_inputs=0)
+    assert io.declare(4096, 4096) == []  # exactly the size it has: no new buffer
+    assert io.declare(4097, 4096) == [("input", 4097)]
+    assert io.tensors_from == 0  # no input count declared: no descriptor region
+
+
+def test_an_inference_before_any_buffer_names_what_it_needed():
+    x = [np.zeros(16, np.float32), np.zeros(8, np.int64)]
+    with pytest.raises(CapacityError) as ei:
+        IoCapacity().plan_infer(1, x, [None, None])
+    e = ei.value
+    assert (e.errno, e.requested, e.capacity) == (errno.EFBIG, 128, 0)
+    assert str(e).startswith("[Errno 27] inference needs 128 bytes but input_buf holds 0 (EFBIG)"), str(e)
+
+
+def test_inputs_may_end_on_input_bufs_last_byte():
+    io = with_buffers(1024, 4096, num_inputs=1)
+    plan = io.plan_infer(1, [np.zeros(1024 - 128, np.uint8)], [None])  # 1 descriptor: 80 -> 128
+    assert [off for off, _ in plan.copies] == [128]
+    assert plan.message.model_id == 0 and plan.message.flags == 0  # defaults: no weights, no repeat/flags
+    with pytest.raises(CapacityError) as ei:
+        io.plan_infer(1, [np.zeros(1024 - 127, np.uint8)], [None])
+    assert (ei.value.requested, ei.value.capacity) == (1025, 1024)
+    assert str(ei.value).startswith("[Errno 27] input needs 1025 bytes but input_buf holds 1024"), str(ei.value)
+
+
+def test_profile_sets_flag_bit_17():
+    m = with_buffers().plan_infer(1, [np.zeros(4, np.float32)], [None], repeat=2, profile=True).message
+    assert m.flags == (1 << 17) | 2
+
+
+def test_inline_descriptors_leave_arrays_handed_out_from_offset_0_alone():
+    io = with_buffers(8192, 4096, num_inputs=0)
+    x = np.zeros(16, np.float32)
+    assert io.create_input(x.nbytes) == 0  # no descriptor region declared
+    m = io.plan_infer(1, [x], [0]).message  # INFER: descriptors in the message, not in input_buf
+    assert type(m) is P.Infer and [d.encode() for d in m.descs] == [desc(IN, 64, 2, 32, (16,))]
+
+
+def test_an_out_of_band_table_may_end_where_the_first_handed_out_array_starts():
+    io = with_buffers(8192, 4096, num_inputs=8)  # 8 x 80 = 640, already 64-aligned
+    assert io.create_input(64) == 640
+    plan = io.plan_infer(1, [np.zeros(4, np.float32)] * 8, [None] * 8)
+    assert type(plan.message) is P.InferLarge and plan.message.descs_size == 640 and len(plan.table) == 640
+    assert plan.copies[0][0] == 704  # after the handed-out array
