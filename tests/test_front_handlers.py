@@ -344,3 +344,22 @@ def test_op_library_size_limits(front, size, want):
 def test_op_library_flags_must_be_zero(front):
     base = front.attach(4096)
     assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=16, flags=1))) == S.ERR_INVALID
+
+
+def test_a_new_device_reports_no_jobs_yet(front):
+    (s,) = responses(front(P.GetStatus(seq=9)))
+    assert (s.status, s.jobs_completed, s.jobs_failed) == (0, 0, 0)
+
+
+def test_by_default_one_connection_may_attach_the_whole_window_and_no_more(front):
+    b = memory.DmaBuf(64 * MiB + 4096, "test")
+    front.bufs.append(b)
+    from dspx.device.front.state import Reject
+
+    fds = [os.dup(b.fd)]
+    with pytest.raises(Reject) as e:  # handle() answers it with its status and keeps the text for GET_ERROR
+        front.h.h_buf_attach(front.conn, P.BufAttach(size=b.size), fds)
+    os.close(fds[0])
+    assert (e.value.status, str(e.value)) == (
+        S.ERR_NOMEM, f"connection quota: {64 * MiB + 4096} bytes requested, 0 of {64 * MiB} attached by this "
+                     f"connection already (free {64 * MiB}; window total {64 * MiB})")

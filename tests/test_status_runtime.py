@@ -256,3 +256,74 @@ def test_a_full_bank_reports_no_hole(core):
 def test_dma_workers_are_named_daemon_threads(core):
     assert [t.name for t in core.dma.threads] == ["dspx-dma0", "dspx-dma1"]
     assert all(t.daemon and t.is_alive() for t in core.dma.threads)
+
+
+@pytest.mark.parametrize("size,text", [(1, "L2 size must be >= 2, got 1"), ("8k", "L2 size must be an integer, got str")])
+def test_l2_size_must_hold_both_banks(size, text):
+    with pytest.raises(RuntimeMisuse) as e:
+        rt.CoreRuntime(l2_size=size)
+    assert str(e.value) == text
+
+
+def test_a_new_cores_l2_reads_as_zeros(core):
+    assert core.l2.nbytes == 8192 and not core.l2.any()
+
+
+def test_dma_wait_uses_the_cores_dma_timeout_unless_given_one():
+    class Stuck(rt.DmaEngine):
+        def _do_copy(self, src, dst):
+            gate.wait(30)
+
+    import threading
+
+    gate = threading.Event()
+    with rt.CoreRuntime(l2_size=8192, dma_timeout=0.05) as c:
+        assert c.dma.timeout == 0.05
+        eng = Stuck(c.tm, timeout=c.dma.timeout)
+        try:
+            eng.copy(0, np.ones(4, np.uint8), np.zeros(4, np.uint8), 4)
+            with pytest.raises(rt.DmaTimeout) as e:
+                eng.wait(0)
+            assert str(e.value) == "DMA channel 0: 1 copies not complete after 0.05 s"
+            with pytest.raises(rt.DmaTimeout) as e:
+                eng.wait(0, timeout=0.01)  # an explicit limit wins
+            assert str(e.value) == "DMA channel 0: 1 copies not complete after 0.01 s"
+        finally:
+            gate.set()
+            eng.wait(0)
+            eng.close()
+
+
+def test_dma_of_2d_arrays_copies_the_first_bytes_in_memory_order(core):
+    src = np.arange(16, dtype=np.float32).reshape(4, 4)
+    dst = np.zeros((4, 4), np.float32)
+    core.dma.copy(0, src, dst, 24)  # 6 floats: row 0 and half of row 1
+    core.dma.wait(0)
+    assert dst.ravel().tolist() == [0, 1, 2, 3, 4, 5] + [0] * 10
+
+
+@pytest.mark.parametrize("src,dst,nbytes,text", [
+    (b"12345678", np.zeros(8, np.uint8), 8, "DMA source must be a numpy array, got bytes"),
+    (np.zeros(8, np.uint8), [0] * 8, 8, "DMA destination must be a numpy array, got list"),
+    (np.zeros(4, np.uint8), np.zeros(8, np.uint8), 8, "DMA of 8 bytes but the source holds only 4"),
+    (np.zeros(8, np.uint8), np.zeros(4, np.uint8), 8, "DMA of 8 bytes but the destination holds only 4"),
+    (np.zeros(8, np.uint8), np.zeros(8, np.uint8)[::-1], 8, "DMA destination must be contiguous"),
+])
+def test_dma_refusals_name_the_side(core, src, dst, nbytes, text):
+    with pytest.raises(DmaError) as e:
+        core.dma.copy(0, src, dst, nbytes)
+    assert str(e.value) == text
+
+
+def test_dma_refusals_of_size_channel_and_read_only_say_what(core):
+    with pytest.raises(RuntimeMisuse) as e:
+        core.dma.copy(0, np.zeros(8, np.uint8), np.zeros(8, np.uint8), 0)
+    assert str(e.value) == "DMA size must be >= 1, got 0"
+    with pytest.raises(DmaError) as e:
+        core.dma.copy(2, np.zeros(8, np.uint8), np.zeros(8, np.uint8), 8)
+    assert str(e.value) == "DMA channel 2 does not exist (channels 0..1)"
+    ro = np.zeros(8, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(DmaError) as e:
+        core.dma.copy(0, np.zeros(8, np.uint8), ro, 8)
+    assert str(e.value) == "DMA destination is read-only"
