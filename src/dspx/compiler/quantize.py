@@ -213,10 +213,11 @@ def prepare(model: onnx.ModelProto, mode: str, calibration_path, *, kernels: boo
         if node.op_type not in QUANTIZED_OPS or len(node.input) < 2 or node.input[1] not in inits:
             continue
         w = numpy_helper.to_array(inits[node.input[1]])
-        if w.dtype != np.float32 or w.size < MIN_WEIGHT_ELEMENTS or node.input[0] not in ranges:
-            continue
+        if (w.dtype != np.float32 or w.size < MIN_WEIGHT_ELEMENTS or node.input[0] not in ranges
+                or node.output[0] not in ranges):
+            continue  # stays float32
         lo, hi = ranges[node.input[0]]
-        olo, ohi = ranges.get(node.output[0], (0.0, 0.0))
+        olo, ohi = ranges[node.output[0]]
         entry = plan.weights.setdefault(_digest(w), {"node": node.name or node.output[0], "input": (lo, hi),
                                                      "output": (olo, ohi)})
         # one initializer read by two nodes: the union of their ranges
@@ -372,17 +373,12 @@ def agreement(got: list[np.ndarray], ref: list[np.ndarray]) -> dict:
             "rel": float(err.max(initial=0.0)) / max(float(np.abs(r).max(initial=0.0)), 1e-30)}
 
 
-def meta_module(outdir: Path) -> str:
-    import json
-
-    return json.loads((outdir / "metadata.json").read_text())["module"]
-
-
-def _run_all(verifier, outdir: Path, inputs: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
-    """Every sample through one load of the module on the verifier's device."""
+def _run_all(verifier, outdir: Path, module: str, inputs: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
+    """Every sample through one load of the module on the verifier's device
+    (Verifier.run loads it once per call)."""
     from dspx.host.vm import VirtualMachine
 
-    size = (outdir / meta_module(outdir)).stat().st_size
+    size = (outdir / module).stat().st_size
     vm = VirtualMachine(outdir, socket=verifier._path(), staging_size=max(size + (1 << 20), 16 << 20), kv_size=0)
     try:
         outs = []
@@ -407,7 +403,7 @@ def verify(outdir, meta: dict, plan: QuantPlan, original: onnx.ModelProto, verif
     ref_f = ort_outputs(original, feeds)
     own = verifier or _verify.Verifier()
     try:
-        got = _run_all(own, Path(outdir), [[f[n] for n in names] for f in feeds])
+        got = _run_all(own, Path(outdir), meta["module"], [[f[n] for n in names] for f in feeds])
     except CompileError:
         raise
     except Exception as e:  # noqa: BLE001 - a module that does not load or run is a compile failure
