@@ -363,3 +363,95 @@ def test_by_default_one_connection_may_attach_the_whole_window_and_no_more(front
     assert (e.value.status, str(e.value)) == (
         S.ERR_NOMEM, f"connection quota: {64 * MiB + 4096} bytes requested, 0 of {64 * MiB} attached by this "
                      f"connection already (free {64 * MiB}; window total {64 * MiB})")
+
+
+def _two_buffers_staging_and_printf(front):
+    """An input buffer, a result buffer, staging with a 4 KiB KV region, a printf ring in the result buffer."""
+    inb, outb = front.attach(4096), front.attach(8192)
+    stg = front.attach(64 * 1024, staging=True, kv=4096)
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=outb + 4096, printf_size=256))) == S.SUCCESS
+    bufs = front.conn.bufs
+    return inb, outb, stg, bufs[inb], bufs[outb], bufs[stg]
+
+
+def test_an_infer_becomes_a_plan_of_exactly_its_buffers_and_fields(front):
+    inb, outb, stg, ib, ob, sb = _two_buffers_staging_and_printf(front)
+    kv_addr = stg + 60 * 1024
+    sig = {"inputs": [{"shape": [2, 8], "dtype": "float32"}, {"shape": [4], "dtype": "int32"}], "weights": "embedded"}
+    h = front.module(sig)
+    req = P.Infer(seq=77, module_handle=h, num_inputs=2, flags=3 | P.FLAG_PROFILE | P.FLAG_KV_RESIDENT,
+                  input_dsp_addr=inb, input_size=4096, result_dsp_addr=outb, result_size=4096,
+                  descs=[_desc(inb + 128), _desc(kv_addr + 64, (4,), "int32")])
+    job = submitted(front(req))  # no plan key: planned, not kept
+    plan, spec = job.plan, job.plan.spec
+    assert job.conn is front.conn and job.rec.seq == 77 and job.rec.plan == plan.plan_id and not front.conn.plans
+    assert (spec.cid, spec.handle, spec.model_id) == (front.conn.cid, h, 0)
+    assert spec.inputs == [(ib.buf_id, 128, (2, 8), "float32"), (sb.buf_id, 60 * 1024 + 64, (4,), "int32")]
+    assert spec.result == (ob.buf_id, 0, 4096, outb) and spec.kv == (sb.buf_id, 60 * 1024, 4096, kv_addr)
+    assert (spec.kv_resident, spec.repeat, spec.profile, spec.resp_type) == (True, 3, True, P.MsgType.INFER | 0x1000)
+    assert spec.printf == (ob.buf_id, 4096, 256)
+    assert plan.core == 0 and [id(b) for b in plan.used] == [id(ib), id(ob), id(sb)]  # each once, busy while it runs
+
+
+def test_an_infer_without_profile_or_repeat_bits_plans_neither(front):
+    base, h = front.attach(4096), front.module()
+    spec = submitted(front(infer_req(base, h, 4096, [_desc(base + 128)], flags=0))).plan.spec
+    assert (spec.repeat, spec.profile, spec.kv, spec.printf) == (0, False, None, None)
+
+
+def test_an_rpc_becomes_a_plan_over_all_the_connections_buffers_and_is_kept_under_its_key(front):
+    inb, outb, stg, ib, ob, sb = _two_buffers_staging_and_printf(front)
+    front.st.op_table[0x1402] = ("softmax", 0, 0)
+    req = P.Rpc(seq=5, cmd=0x1402, core=1, priority=9, timeout_ms=250, input_dsp_addr=inb + 64, input_size=32,
+                output_dsp_addr=outb + 128, output_size=16)
+    key = Handlers.plan_key(front.conn, P.MsgType.RPC, req.encode())
+    job = submitted(front.h.handle(front.conn, req, [], key))
+    plan, spec = job.plan, job.plan.spec
+    assert job.conn is front.conn and job.rec.seq == 5 and front.conn.plans == {key: plan}
+    assert (job.core, job.priority, plan.core, plan.priority, plan.timeout_ms) == (1, 9, 1, 9, 250)
+    assert (spec.cid, spec.cmd) == (front.conn.cid, 0x1402)
+    assert spec.input == (ib.buf_id, 64, 32) and spec.output == (ob.buf_id, 128, 16)
+    assert spec.regions == [(ib.buf_id, inb, 4096), (ob.buf_id, outb, 8192), (sb.buf_id, stg, 64 * 1024)]
+    assert spec.printf == (ob.buf_id, 4096, 256) and [id(b) for b in plan.used] == [id(ib), id(ob), id(sb)]
+    assert submitted(front.h.replay(front.conn, plan, 6)).plan is plan
+
+
+@pytest.mark.parametrize("fields,want,text", [
+    (dict(core=2), S.ERR_INVALID, "core 2 does not exist (device has 2)"),
+    (dict(priority=256), S.ERR_INVALID, "priority 256 outside 0..255"),
+    (dict(input_dsp_addr=4090, input_size=16), S.ERR_ADDR,
+     "task input 0x{:x}+16 is not inside a buffer of this connection"),
+    (dict(output_dsp_addr=4095, output_size=2), S.ERR_ADDR,
+     "task output 0x{:x}+2 is not inside a buffer of this connection"),
+], ids=["core", "priority", "input", "output"])
+def test_rpc_refusals_say_what(front, fields, want, text):
+    front.st.op_table[0x1402] = ("softmax", 0, 0)
+    base = front.attach(4096)
+    req = dict(cmd=0x1402, input_dsp_addr=base, input_size=16, output_dsp_addr=base + 64, output_size=16)
+    req.update({k: base + v if k.endswith("dsp_addr") else v for k, v in fields.items()})
+    assert status(front(P.Rpc(**req))) == want
+    (e,) = responses(front(P.GetError()))
+    addr = req.get("input_dsp_addr") if "input_dsp_addr" in fields else req["output_dsp_addr"]
+    assert (e.error_status, e.payload.decode()) == (want, text.format(addr))
+
+
+def _infer_error_text(front, sig, descs_of) -> tuple[int, str]:
+    base, h = front.attach(4096), front.module(sig)
+    st = status(front(infer_req(base, h, 4096, descs_of(base))))
+    (e,) = responses(front(P.GetError()))
+    assert e.error_status == st
+    return st, e.payload.decode()
+
+
+@pytest.mark.parametrize("sig,descs_of,want,text", [
+    (SIG, lambda b: [_desc(b + 128), _desc(b + 256)], S.ERR_TENSOR, "module takes 1 inputs, 2 given"),
+    (SIG, lambda b: [_desc(b + 128, (2, 8), "int32")], S.ERR_TENSOR,
+     "input 0 (x): module expects float32[2, 8], got int32[2, 8]"),
+    ({"inputs": [{"shape": [2, 8], "dtype": "float32"}]}, lambda b: [_desc(b + 128, (8, 2))], S.ERR_TENSOR,
+     "input 0 (0): module expects float32[2, 8], got float32[8, 2]"),  # an input with no name: its index
+    (SIG, lambda b: [_desc(b + 4096)], S.ERR_ADDR, "input 0 data 0x{:x}+64 is outside the input range and the KV region"),
+], ids=["count", "dtype", "unnamed", "outside"])
+def test_infer_input_refusals_say_which_input_and_why(front, sig, descs_of, want, text):
+    st, got = _infer_error_text(front, sig, descs_of)
+    base = min(front.conn.bufs)
+    assert (st, got) == (want, text.format(base + 4096))
