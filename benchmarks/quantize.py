@@ -56,6 +56,8 @@ def ort_int8(onnx_path: Path, out: Path, samples) -> Path:
     """onnxruntime's own static quantization of the model file."""
     import logging
 
+    import onnx
+    import onnx.version_converter
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
@@ -69,6 +71,10 @@ def ort_int8(onnx_path: Path, out: Path, samples) -> Path:
     logging.getLogger().setLevel(logging.ERROR)
     pre = out.with_suffix(".pre.onnx")
     quant_pre_process(str(onnx_path), str(pre))
+    m = onnx.load(str(pre))
+    if next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx")) < 13:
+        # per-channel DequantizeLinear needs opset 13 (quantize_static upgrades to 11 only)
+        onnx.save(onnx.version_converter.convert_version(m, 13), str(pre))
     quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                     calibrate_method=CalibrationMethod.MinMax)

@@ -342,6 +342,15 @@ def qdq_model(model: onnx.ModelProto, arrays: dict[str, np.ndarray]) -> onnx.Mod
     activations, per-channel int8 weights, MinMax on the same samples) -- the peer."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    # IR 3 requires every initializer to be a graph input, which BatchNorm folding's new
+    # ones are not; quantize_static's opset upgrade then refuses the graph
+    model.ir_version = max(model.ir_version, 4)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    if opset < 13:  # per-channel DequantizeLinear (its axis) needs opset 13; quantize_static upgrades to 11 only
+        from onnx import version_converter
+
+        model = version_converter.convert_version(model, 13)
     with tempfile.TemporaryDirectory(prefix="dspx-qdq-") as d, _quiet_advice():
         src, dst = Path(d) / "model.onnx", Path(d) / "model.qdq.onnx"
         onnx.save(model, str(src))
