@@ -464,3 +464,34 @@ def test_configure_backend_rejects_unknown():
 def test_configure_threads_rejects_zero():
     with pytest.raises(K.KernelError):
         K.configure_threads(0)
+
+
+def test_call_site_replay_follows_data_and_weight_changes():
+    """A repeated call with the same tensors replays its bound session (one
+    site entry); new data in the same buffers and a weight rewritten in place
+    both give the new result (the weight check falls back and re-prepacks)."""
+    if K.backend() != "onnxruntime":
+        pytest.skip("site replay binds onnxruntime sessions")
+    K.clear_caches()
+    x, w, b = rand(1, 16, 8, 8), rand(16, 16, 3, 3), rand(16)
+    tx, tw, tb = (tvm.runtime.tensor(a) for a in (x, w, b))
+    out = tvm.runtime.tensor(np.zeros((1, 16, 8, 8), np.float32))
+    f = tvm.get_global_func(K.PREFIX + "conv2d")
+    attrs = ((1, 1), (1, 1, 1, 1), (1, 1), 1, 0, 0)
+    for _ in range(3):
+        f(tx, tw, tb, *attrs, out)
+    assert len(K._sites) == 1
+    np.testing.assert_allclose(out.numpy(), ref_conv(x, w, b, (1, 1), (1, 1, 1, 1), (1, 1), 1),
+                               atol=1e-4)
+    x2 = rand(1, 16, 8, 8)
+    tx.copyfrom(x2)
+    f(tx, tw, tb, *attrs, out)
+    np.testing.assert_allclose(out.numpy(), ref_conv(x2, w, b, (1, 1), (1, 1, 1, 1), (1, 1), 1),
+                               atol=1e-4)
+    w2 = rand(16, 16, 3, 3)
+    tw.copyfrom(w2)
+    f(tx, tw, tb, *attrs, out)
+    np.testing.assert_allclose(out.numpy(), ref_conv(x2, w2, b, (1, 1), (1, 1, 1, 1), (1, 1), 1),
+                               atol=1e-4)
+    K.clear_caches()
+    assert not K._sites
