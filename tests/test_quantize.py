@@ -224,3 +224,31 @@ def test_cli_quantize(q8, tmp_path):
     assert r.exit_code == 1
     assert r.stderr.strip().splitlines()[-1] == ("error: --quantize int8 needs --calibrate inputs.npz: representative inputs, one "
                                 "array per model input with the samples along the first axis")
+
+
+def test_qdq_reference_of_an_old_ir3_graph_with_folded_batchnorm():
+    """Caffe2-era models (IR 3, opset 9: the onnx wheel's light ResNet-50) once BatchNorm
+    is folded have initializers that are not graph inputs; onnxruntime's quantizer must
+    still produce the verification reference (it refused them before)."""
+    from dspx.compiler.checks import fold_batchnorm
+    from dspx.compiler.quantize import ort_outputs, qdq_model, samples
+
+    m = _net()
+    g = m.graph
+    c = np.full(16, 1.0, np.float32)
+    g.initializer.extend([numpy_helper.from_array(c * s, n) for n, s in
+                          (("bn_s", 1.1), ("bn_b", 0.05), ("bn_m", 0.02), ("bn_v", 0.9))])
+    nodes = list(g.node)
+    nodes[0].output[0] = "c0"
+    nodes.insert(1, helper.make_node("BatchNormalization", ["c0", "bn_s", "bn_b", "bn_m", "bn_v"], ["c1"]))
+    del g.node[:]
+    g.node.extend(nodes)
+    g.input.extend(helper.make_tensor_value_info(i.name, i.data_type, list(i.dims)) for i in g.initializer)
+    m.ir_version, m.opset_import[0].version = 3, 9
+    float_out = ort_outputs(m, list(samples({"x": _inputs(4, 5)})))
+    assert fold_batchnorm(m) == 1
+    arrays = {"x": _inputs(4, 5)}
+    got = ort_outputs(qdq_model(m, arrays), list(samples(arrays)))
+    ref = np.stack([o[0] for o in float_out])
+    err = np.abs(np.stack([o[0] for o in got]) - ref).max() / np.abs(ref).max()
+    assert err < 0.05, f"QDQ vs float32 {100 * err:.2f} %"
