@@ -18,7 +18,10 @@ this connection's buffers, of another connection's, of the KV region, of
 the DDR pool 0x1_0200_0000 and L2 0x7E00_0000), sizes near 2^32 and 2^64,
 ndim, dtype, shapes, flags, reserved fields, descriptor arrays (inline and in
 the table), seq, the header's type/len/status, body truncation/extension —
-or sends random bytes.  Every request must get exactly one well-formed
+or sends random bytes.  ``window`` requests may be in flight at once
+(responses are matched to requests by type and seq; a request that may
+change the fixtures, or whose build writes shared memory, goes alone).
+Every request must get exactly one well-formed
 response within the timeout: type ``0x1000 | type``, the same seq, ``len``
 equal to the datagram size, a decodable body when it succeeded.  No answer
 may be ERR_GENERIC (an internal failure), and a message with exactly one
@@ -59,6 +62,11 @@ U32 = 0xFFFFFFFF
 U64 = (1 << 64) - 1
 DDR_BASE = memory.DDR_POOL_BASE
 L2_BASE = memory.L2_BASE
+
+# Requests whose success changes the fuzzer's fixtures (it undoes or
+# restores them at once), so they never share the window with others.
+STATE_TYPES = frozenset((T.OPS_LOAD, T.DYN_LOAD, T.MODEL_LOAD, T.BUF_ATTACH, T.SET_PRINTF_BUF, T.BUF_DETACH,
+                         T.DYN_UNLOAD, T.MODEL_UNLOAD))
 
 # ------------------------------------------------------------------ checking
 
@@ -120,6 +128,8 @@ class FuzzStats:
     unexpected: int = 0  # answers other than the status a mutation class must get
     by_expectation: collections.Counter = field(default_factory=collections.Counter)  # class -> checked
     forged_addresses: int = 0  # single forged-address mutations sent (each must be ERR_ADDR)
+    fixture_hits: int = 0  # detaches / unloads aimed at a fixture (see Fuzzer.fixture_every)
+    fixture_redirected: int = 0  # ... pointed elsewhere to keep to fixture_every
     max_latency_s: float = 0.0
     slowest: str = ""
     elapsed_s: float = 0.0
@@ -133,7 +143,9 @@ class FuzzStats:
                 "by_type": dict(self.by_type.most_common()), "by_kind": dict(self.by_kind.most_common()),
                 "malformed": self.malformed, "unexpected": self.unexpected,
                 "by_expectation": dict(self.by_expectation.most_common()),
-                "forged_addresses": self.forged_addresses, "extra_responses": self.extra_responses, "hangs": self.hangs,
+                "forged_addresses": self.forged_addresses, "fixture_hits": self.fixture_hits,
+                "fixture_redirected": self.fixture_redirected, "extra_responses": self.extra_responses,
+                "hangs": self.hangs,
                 "crashes": self.crashes, "core_restarts": self.core_restarts, "reconnects": self.reconnects,
                 "fds_sent": self.fds_sent, "max_latency_s": round(self.max_latency_s, 4), "slowest_request": self.slowest,
                 "elapsed_s": round(self.elapsed_s, 2),
@@ -165,13 +177,17 @@ def device_footprint(front_pid: int) -> dict:
     front = psutil.Process(front_pid)
     procs = [front] + [c for c in front.children() if c.is_running()]
     fds = rss = 0
-    for p in procs:
+    each = {}  # "front" / "core <pid>" -> {"fds", "rss"}
+    for i, p in enumerate(procs):
         try:
-            fds += p.num_fds()
-            rss += p.memory_info().rss
+            f, r = p.num_fds(), p.memory_info().rss
         except psutil.Error:
-            pass
-    return {"fds_front": front.num_fds(), "fds": fds, "rss": rss, "cores": [p.pid for p in procs[1:]]}
+            continue
+        fds += f
+        rss += r
+        each["front" if i == 0 else f"core {p.pid}"] = {"fds": f, "rss": r}
+    return {"fds_front": front.num_fds(), "fds": fds, "rss": rss, "cores": [p.pid for p in procs[1:]],
+            "procs": each}
 
 
 def sealed_memfd(size: int, seal: bool = True) -> int:
@@ -211,7 +227,8 @@ class Fuzzer:
     """
 
     def __init__(self, path: str, modules: dict, seed: int = 0, timeout: float = 60.0,
-                 foreign: list[tuple[int, int]] = (), front_pid: int | None = None, reset_every: int = 20000):
+                 foreign: list[tuple[int, int]] = (), front_pid: int | None = None, reset_every: int = 20000,
+                 window: int = 1, weights: dict | None = None, fixture_every: int = 0):
         self.path = path
         self.rng = random.Random(seed)
         self.timeout = timeout
@@ -226,6 +243,21 @@ class Fuzzer:
         self._since_reset = 0
         self._oplibs: set[int] = set()
         self._core_pids: list[int] | None = None
+        self.window = max(1, window)
+        # A BUF_DETACH of a fixture buffer or a DYN_UNLOAD of a fixture module
+        # makes the fuzzer reopen its connection or reload a module (~1 s on
+        # a loaded machine): with fixture_every, at most one per that many
+        # messages; the others are pointed at a spare buffer / handle 0.
+        self.fixture_every = fixture_every
+        self._last_fixture = -fixture_every
+        self._inflight: list = []  # (expected (type, seq), datagram, expectation, label, time sent)
+        self._want_error = None
+        self._alone = False
+        if weights:  # {kind: weight}: kinds not named keep their default weight
+            counts = collections.Counter(self.KINDS)
+            self._kinds, self._kind_weights = list(counts), [weights.get(k, counts[k]) for k in counts]
+        else:
+            self._kinds, self._kind_weights = list(self.KINDS), None
         self._open()
 
     # -------------------------------------------------------------- state
@@ -252,6 +284,7 @@ class Fuzzer:
         self.bufs = [(b.dsp_addr, b.size) for b in c.bufs]
         self._seq = 1000
         self._since_reset = 0
+        self._reset_due = False
         self._edges_cache = self._edges()
         # Fixed parts of valid requests.
         import numpy as np
@@ -273,6 +306,7 @@ class Fuzzer:
 
     def _reset(self, why: str = "") -> None:
         self.stats.reconnects += 1
+        self._inflight.clear()
         try:
             self.client.close()
         except Exception:
@@ -280,6 +314,7 @@ class Fuzzer:
         self._open()
 
     def close(self) -> None:
+        self._drain()
         for h in list(self._oplibs):
             self._unload_oplib(h)
         if self.client:
@@ -360,7 +395,7 @@ class Fuzzer:
             n = self._stage_garbage(elf=False)
             return P.ModelLoad(weights_size=n), ()
         if kind == "OPS_LOAD":
-            src = rng.choice(GARBAGE_SOURCES) or bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
+            src = rng.choice(GARBAGE_SOURCES) or rng.randbytes(rng.randrange(1, 300))
             sc = self.scratch
             off = 32768
             sc.mm[off:off + len(src)] = src
@@ -394,11 +429,11 @@ class Fuzzer:
                 data[i] = rng.randrange(256)
             data = bytes(data)
         elif r < 0.8:
-            data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 2048)))
+            data = rng.randbytes(rng.randrange(1, 2048))
         elif r < 0.9:
-            data = b"\x7fELF" + bytes(rng.randrange(256) for _ in range(rng.randrange(0, 512)))
+            data = b"\x7fELF" + rng.randbytes(rng.randrange(0, 512))
         else:
-            data = b"DSPXWGT1" + bytes(rng.randrange(256) for _ in range(rng.randrange(0, 256)))
+            data = b"DSPXWGT1" + rng.randbytes(rng.randrange(0, 256))
         st.mm[:len(data)] = data
         if rng.random() < 0.1:
             return rng.choice([0, room, room + 1, U32])
@@ -407,6 +442,12 @@ class Fuzzer:
     KINDS = (["INFER"] * 8 + ["INFER_LARGE"] * 8 + ["RPC"] * 6 + ["SET_PRINTF_BUF"] * 4 + ["BUF_ATTACH"] * 3
              + ["BUF_DETACH"] * 3 + ["DYN_LOAD"] * 2 + ["MODEL_LOAD"] * 2 + ["OPS_LOAD"] * 2 + ["DYN_UNLOAD"] * 2
              + ["MODEL_UNLOAD"] * 2 + ["OPS_LIST"] * 2 + ["PING", "GET_STATUS", "GET_ERROR", "POOL_STATUS"])
+
+    def _hits_fixture(self, msg) -> bool:
+        if msg.TYPE == T.DYN_UNLOAD:
+            return msg.module_handle in (self.mi.handle, self.mo.handle)
+        spares = {b.dsp_addr for b in self.spares}
+        return any(a == msg.dsp_addr and a not in spares for a, _ in self.bufs)
 
     def _forged(self, addr: int) -> bool:
         """``addr`` lies in none of this connection's buffers (nor its KV
@@ -489,17 +530,21 @@ class Fuzzer:
         self.expect = None
         if r < 0.04:  # random bytes
             n = rng.choice([0, 1, 3, 4, 7, 8, 15, 16, 17, rng.randrange(512), 512, 513, rng.randrange(513, 4096)])
-            data = bytes(rng.randrange(256) for _ in range(n))
+            data = rng.randbytes(n)
             if n < P.HEADER_SIZE or n > P.MAX_MSG or HDR.unpack_from(data)[2] != n:
                 self.expect = (Status.ERR_INVALID, "framing")
             return data, [], "random"
         if r < 0.07:  # a valid header with a random type / random body
             t = rng.choice([rng.randrange(1 << 32), rng.randrange(0x80), 0x1001, 0x1021, 0x7FFF, 0x10000 | 0x21])
-            body = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 497)))
+            body = rng.randbytes(rng.randrange(0, 497))
             if t not in P.MsgType._value2member_map_:
                 self.expect = (Status.ERR_OP, "not a request type")
             return HDR.pack(t, self._seq, 16 + len(body), 0) + body, [], "random_type"
-        kind = rng.choice(self.KINDS)
+        kind = rng.choices(self._kinds, self._kind_weights)[0] if self._kind_weights else rng.choice(self._kinds)
+        damage_table = kind == "INFER_LARGE" and rng.random() < 0.4
+        if kind in ("DYN_LOAD", "MODEL_LOAD", "OPS_LOAD") or damage_table:
+            self._drain()  # its build writes staging / scratch / the descriptor table that requests in flight read
+            self._alone = True
         msg, fds = self._valid(kind)
         msg.seq = self._seq
         label = kind
@@ -511,10 +556,20 @@ class Fuzzer:
             old = getattr(msg, name)
             setattr(msg, name, self._value(ch, old, name))
             effects.append(self._field_expectation(msg, name, old, getattr(msg, name)))
+        if self.fixture_every and kind in ("BUF_DETACH", "DYN_UNLOAD") and self._hits_fixture(msg):
+            if self.stats.sent - self._last_fixture >= self.fixture_every:
+                self._last_fixture = self.stats.sent
+                self.stats.fixture_hits += 1
+            else:
+                self.stats.fixture_redirected += 1
+                if kind == "BUF_DETACH":
+                    msg.dsp_addr = rng.choice(self.spares).dsp_addr
+                else:
+                    msg.module_handle = 0
         if kind in ("INFER", "INFER_LARGE") and not msg.flags & P.INFER_FLAGS_RESERVED \
                 and msg.flags & P.REPEAT_MASK > 3 and rng.random() < 0.99:
             msg.flags &= ~P.REPEAT_MASK | 3  # a valid repeat of 65535 runs is slow, not interesting
-        if kind == "INFER_LARGE" and rng.random() < 0.4:  # damage the descriptor table in input_buf
+        if damage_table:  # damage the descriptor table in input_buf
             ib = self.client.input_buf
             raw = bytearray(P.encode_descs(self.mi_descs))
             effects.append(self._mutate_desc_bytes(raw, 0, 7))
@@ -575,29 +630,20 @@ class Fuzzer:
         return bytes(data), fds, label
 
     # -------------------------------------------------------------- running
-    def _recv(self) -> bytes | None:
-        t0 = time.monotonic()
-        if not self._poll.poll(int(self.timeout * 1000)):
-            return None
-        data, anc, flags, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(16 * 4))
-        for level, ctype, cdata in anc or ():
-            if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
-                a = array.array("i")
-                a.frombytes(cdata[: len(cdata) - len(cdata) % 4])
-                for fd in a:
-                    os.close(fd)
-                self.stats.problem("device sent fds on a response")
-        if not data:
-            raise ConnectionResetError("device closed the connection")
-        dt = time.monotonic() - t0
-        if dt > self.stats.max_latency_s:
-            self.stats.max_latency_s = dt
-            self.stats.slowest = self._last[:96].hex()
-        return data
+    # Up to ``window`` requests are in flight on the connection.  Responses
+    # may come back out of order (a job's core answers it, the front answers
+    # the rest), so each is matched to its request by (response type, seq).
+    # A request that may change the fuzzer's fixtures when it succeeds, or
+    # whose build wrote shared memory that in-flight requests read, goes
+    # alone: the window is drained before it and after it.
 
-    def step(self) -> None:
-        data, fds, label = self.build()
+    def _send(self, data: bytes, fds: list, label: str, alone: bool) -> None:
         st = self.stats
+        key = expected_header(data)
+        if alone or any(e[0] == key for e in self._inflight):
+            self._drain()
+        while len(self._inflight) >= self.window:
+            self._recv_one()
         try:
             try:
                 if fds:
@@ -608,28 +654,89 @@ class Fuzzer:
             finally:
                 for fd in fds:
                     os.close(fd)
-            st.sent += 1
-            self._last = data
-            mtype = struct.unpack_from("<I", data)[0] if len(data) >= 4 else None
-            st.by_type[P.MsgType(mtype).name if mtype in P.MsgType._value2member_map_ else "other"] += 1
-            resp = self._recv()
         except (ConnectionError, OSError) as e:
             if isinstance(e, OSError) and e.errno == 90:  # EMSGSIZE: larger than the socket allows, not sent
                 return
-            st.crashes += 1
-            st.problem(f"{label}: connection lost ({e!r}) after {data[:64].hex()}")
-            self._after_loss()
+            self._lost(label, data, e)
             return
-        if resp is None:
-            st.hangs += 1
-            st.problem(f"{label}: no response within {self.timeout} s to {data[:96].hex()}")
-            self._reset("hang")
+        st.sent += 1
+        mtype = struct.unpack_from("<I", data)[0] if len(data) >= 4 else None
+        st.by_type[P.MsgType(mtype).name if mtype in P.MsgType._value2member_map_ else "other"] += 1
+        self._inflight.append((key, data, self.expect, label, time.monotonic()))
+        if alone:
+            self._drain()
+
+    def _lost(self, label: str, data: bytes, e: Exception) -> None:
+        self.stats.crashes += 1
+        self.stats.problem(f"{label}: connection lost ({e!r}) after {data[:64].hex()}")
+        self._inflight.clear()
+        self._after_loss()
+
+    def _recv_one(self) -> None:
+        """Take one response and check it against the request it answers."""
+        st = self.stats
+        try:
+            if not self._poll.poll(int(self.timeout * 1000)):
+                key, data, _, label, _ = self._inflight[0]
+                st.hangs += 1
+                st.problem(f"{label}: no response within {self.timeout} s to {data[:96].hex()} "
+                           f"({len(self._inflight)} in flight)")
+                self._inflight.clear()
+                self._reset("hang")
+                return
+            resp, anc, flags, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(16 * 4))
+            if not resp:
+                raise ConnectionResetError("device closed the connection")
+        except (ConnectionError, OSError) as e:
+            key, data, _, label, _ = self._inflight[0]
+            self._lost(label, data, e)
             return
+        for level, ctype, cdata in anc or ():
+            if level == socket.SOL_SOCKET and ctype == socket.SCM_RIGHTS:
+                a = array.array("i")
+                a.frombytes(cdata[: len(cdata) - len(cdata) % 4])
+                for fd in a:
+                    os.close(fd)
+                st.problem("device sent fds on a response")
+        rkey = HDR.unpack_from(resp)[:2] if len(resp) >= 16 else None
+        i = next((i for i, e in enumerate(self._inflight) if e[0] == rkey), 0 if len(self._inflight) == 1 else None)
+        if i is None:  # answers nothing in flight (a second answer, or a garbled header)
+            st.extra_responses += 1
+            st.problem(f"response {resp[:32].hex()} matches none of {len(self._inflight)} requests in flight")
+            return
+        key, data, expect, label, t_sent = self._inflight[i]
+        del self._inflight[i]
+        dt = time.monotonic() - t_sent
+        if dt > st.max_latency_s:
+            st.max_latency_s = dt
+            st.slowest = data[:96].hex()
+        self._check(data, resp, expect, label)
+
+    def _drain(self) -> None:
+        """Take every response owed, then make sure nothing more comes."""
+        while self._inflight:
+            self._recv_one()
+        if self._poll.poll(0):
+            try:
+                extra = self.sock.recv(4096, socket.MSG_DONTWAIT)
+            except OSError:
+                return
+            if extra:
+                self.stats.extra_responses += 1
+                self.stats.problem(f"extra datagram {extra[:32].hex()} with nothing in flight")
+        if self._want_error is not None:
+            self._fetch_error(*self._want_error)
+            self._want_error = None
+        if self._reset_due:
+            self._reset("periodic")
+
+    def _check(self, data: bytes, resp: bytes, expect, label: str) -> None:
+        st = self.stats
         why = check_response(data, resp)
         status = HDR.unpack_from(resp)[3] if len(resp) >= 16 else None
         st.by_status[Status.name_of(status) if status is not None else "none"] += 1
-        if self.expect is not None and status is not None and not why:
-            want, cls = self.expect
+        if expect is not None and status is not None and not why:
+            want, cls = expect
             st.by_expectation[cls] += 1
             if cls.startswith("forged"):
                 st.forged_addresses += 1
@@ -640,13 +747,6 @@ class Fuzzer:
         if why:
             st.malformed += 1
             st.problem(f"{label}: {why}; request {data[:96].hex()} response {resp[:64].hex()}")
-        if self._poll.poll(0):  # exactly one response
-            st.extra_responses += 1
-            try:
-                extra = self.sock.recv(4096, socket.MSG_DONTWAIT)
-                st.problem(f"{label}: extra datagram {extra[:32].hex()} after {data[:64].hex()}")
-            except OSError:
-                pass
         if status == Status.ERR_CALL and label.split(":")[0] not in ("RPC",) and len(st.internal_errors) < 20:
             # A job that is not user code failed as a call: its core crashed.  Keep the evidence.
             if self.crash_dir:
@@ -655,14 +755,32 @@ class Fuzzer:
                     f.write(data)
                 with open(os.path.join(self.crash_dir, f"crash-{os.getpid()}-{n}-staging.bin"), "wb") as f:
                     f.write(bytes(self.client.staging.mm[:1 << 20]))
-        if status in (Status.ERR_GENERIC, Status.ERR_CALL) and len(st.internal_errors) < 20:
-            try:
-                self.sock.send(HDR.pack(T.GET_ERROR, 0, 16, 0))
-                err = P.decode(self._recv())
-                st.internal_errors.append(f"{label}: {data[:96].hex()} -> {err.payload.decode(errors='replace')}")
-            except Exception as e:  # noqa: BLE001
-                st.internal_errors.append(f"{label}: {data[:96].hex()} -> (GET_ERROR failed: {e!r})")
+        if status in (Status.ERR_GENERIC, Status.ERR_CALL) and len(st.internal_errors) < 20 \
+                and self._want_error is None:
+            # GET_ERROR once the window is empty: with requests in flight a
+            # later failure may have replaced the text, which is then said.
+            self._want_error = (label, data, bool(self._inflight))
         self._track(data, resp, status)
+
+    def _fetch_error(self, label: str, data: bytes, pipelined: bool) -> None:
+        note = " (others were in flight: the text may be a later request's)" if pipelined else ""
+        try:
+            self.sock.send(HDR.pack(T.GET_ERROR, 0, 16, 0))
+            if not self._poll.poll(int(self.timeout * 1000)):
+                raise TimeoutError("no GET_ERROR response")
+            err = P.decode(self.sock.recv(4096))
+            self.stats.internal_errors.append(f"{label}: {data[:96].hex()} -> "
+                                              f"{err.payload.decode(errors='replace')}{note}")
+        except Exception as e:  # noqa: BLE001
+            self.stats.internal_errors.append(f"{label}: {data[:96].hex()} -> (GET_ERROR failed: {e!r})")
+
+    def step(self) -> None:
+        if self._reset_due:
+            self._drain()
+        self._alone = False
+        data, fds, label = self.build()
+        mtype = struct.unpack_from("<I", data)[0] if len(data) >= 4 else None
+        self._send(data, fds, label, self._alone or self.window <= 1 or mtype in STATE_TYPES)
 
     def _track(self, data: bytes, resp: bytes, status: int | None) -> None:
         """Keep the fuzz state usable after a (possibly mutated) request
@@ -671,7 +789,7 @@ class Fuzzer:
         if self._since_reset % 1000 == 0:
             self._check_cores()
         if self._since_reset >= self.reset_every:
-            self._reset("periodic")
+            self._reset_due = True  # once the window is empty
             return
         if status != Status.SUCCESS:
             return
@@ -730,7 +848,8 @@ class Fuzzer:
                 raise RuntimeError("the device process died") from None
         self._reset("connection lost")
 
-    def run(self, count: int, progress=None) -> FuzzStats:
+    def run(self, count: int, progress=None, stop_at: float | None = None) -> FuzzStats:
+        """Send ``count`` messages (or until time.monotonic() passes ``stop_at``)."""
         t0 = time.monotonic()
         self._check_cores()
         for i in range(count):
@@ -738,6 +857,9 @@ class Fuzzer:
             if progress and i and i % progress[0] == 0:
                 self.stats.elapsed_s = time.monotonic() - t0
                 progress[1](self.stats)
+            if stop_at is not None and i % 256 == 0 and time.monotonic() > stop_at:
+                break
+        self._drain()
         self.stats.elapsed_s = time.monotonic() - t0
         self._check_cores()
         return self.stats
