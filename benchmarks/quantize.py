@@ -39,7 +39,9 @@ from infer import (BUILD, RESULTS, DevicePaths, Worker, _threads_env, interleave
                    summarize)
 
 
-def compile_module(onnx_path: Path, out: Path, threads: int, calibrate: Path | None) -> dict:
+def compile_module(onnx_path: Path, out: Path, threads: int, calibrate: Path | None, reuse: bool = False) -> dict:
+    if reuse and (out / "compile.json").exists():
+        return json.loads((out / "compile.json").read_text())
     cmd = [sys.executable, "-m", "dspx.cli", "compile", str(onnx_path), "-o", str(out), "--json"]
     if calibrate is not None:
         cmd += ["--quantize", "int8", "--calibrate", str(calibrate)]
@@ -48,8 +50,10 @@ def compile_module(onnx_path: Path, out: Path, threads: int, calibrate: Path | N
     if p.returncode:
         raise SystemExit(f"compile failed: {p.stdout}\n{p.stderr}")
     meta = json.loads(p.stdout.strip().splitlines()[-1])
-    return {"wall_s": time.perf_counter() - t0, "stages_s": meta.get("timings", {}),
-            "quantize": meta.get("quantize"), "verify": meta.get("verify")}
+    res = {"wall_s": time.perf_counter() - t0, "stages_s": meta.get("timings", {}),
+           "quantize": meta.get("quantize"), "verify": meta.get("verify")}
+    (out / "compile.json").write_text(json.dumps(res))
+    return res
 
 
 def ort_int8(onnx_path: Path, out: Path, samples) -> Path:
@@ -70,11 +74,14 @@ def ort_int8(onnx_path: Path, out: Path, samples) -> Path:
 
     logging.getLogger().setLevel(logging.ERROR)
     pre = out.with_suffix(".pre.onnx")
-    quant_pre_process(str(onnx_path), str(pre))
-    m = onnx.load(str(pre))
+    m = onnx.load(str(onnx_path))
     if next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx")) < 13:
-        # per-channel DequantizeLinear needs opset 13 (quantize_static upgrades to 11 only)
-        onnx.save(onnx.version_converter.convert_version(m, 13), str(pre))
+        # old graphs (the light models: IR 3, opset 9, initializers not listed as inputs):
+        # per-channel DequantizeLinear needs opset 13, quantize_static upgrades to 11 only
+        m.ir_version = max(m.ir_version, 4)
+        m = onnx.version_converter.convert_version(m, 13)
+    onnx.save(m, str(pre))
+    quant_pre_process(str(pre), str(pre))
     quantize_static(str(pre), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
                     calibrate_method=CalibrationMethod.MinMax)
@@ -109,8 +116,8 @@ def bench(name: str, onnx_path: Path, sock: str, a) -> dict:
     npz = build / "calib.npz"
     np.savez(npz, **{inp.name: samples})
     print(f"{name}: compiling float32 and int8 ...", file=sys.stderr)
-    comp = {"dev_f32": compile_module(onnx_path, build / "f32", a.threads, None),
-            "dev_int8": compile_module(onnx_path, build / "int8", a.threads, npz)}
+    comp = {"dev_f32": compile_module(onnx_path, build / "f32", a.threads, None, a.reuse_builds),
+            "dev_int8": compile_module(onnx_path, build / "int8", a.threads, npz, a.reuse_builds)}
     q_path = ort_int8(onnx_path, build / "ort-int8.onnx", [{inp.name: s} for s in samples])
 
     staging = max((build / d / "model.so").stat().st_size for d in ("f32", "int8")) + (1 << 20)
@@ -155,6 +162,8 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=24)
     ap.add_argument("--batch", type=int, default=2, help="calls per candidate per interleaving round")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reuse-builds", action="store_true",
+                    help="keep modules compiled by an earlier run (same samples; not after compiler changes)")
     a = ap.parse_args(argv)
     os.environ.update(_threads_env(a.threads))
     from dspx.compiler import examples
