@@ -265,6 +265,23 @@ def dequantized_weights(named: list[tuple[str, np.ndarray]]) -> dict[str, np.nda
 
 # ---------------------------------------------------------------- TIR kernels
 
+def vexp(x):
+    """float32 exp as a TIR expression LLVM vectorizes (libm expf is scalar: at
+    position 1,000 the softmax alone was ~270k calls per token). Cephes' expf:
+    x = n·ln2 + r, a degree-6 polynomial in r, times 2^n from the exponent
+    bits; relative error ~2 ulp, inputs clamped to [-87.3, 88.3]."""
+    from tvm.script import tirx as T
+
+    x = T.max(T.min(x, T.float32(88.3)), T.float32(-87.3))
+    n = T.floor(x * T.float32(1.44269504) + T.float32(0.5))
+    r = x - n * T.float32(0.693359375) + n * T.float32(2.12194440e-4)
+    p = T.float32(1.9875691500e-4)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + T.float32(c)
+    return (p * r * r + r + T.float32(1)) * T.reinterpret(
+        "float32", T.shift_left(T.Cast("int32", n) + 127, 23))
+
+
 def _kernels(d: Dims, M: int, parallel_gemv: bool):
     """Hand-scheduled TIR for one entry (M = rows per call: 64 prefill, 1 decode)."""
     from tvm.script import tirx as T
@@ -507,117 +524,90 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
     if KD == "int8":
         ks["kv_write"] = kv_write_q8
 
-    rows = T.parallel if M > 1 or parallel_gemv else T.serial  # decode_parallel: heads over threads too
+    rows = T.parallel if M > 1 or parallel_gemv else T.serial  # decode_parallel: KV heads over threads too
+    RK = RW if KD == "int8" else HD  # elements per cached row
+
+    def row_scale(c, g, t):
+        """An int8 row's float32 scale (its 4 trailing bytes); 1 for float rows."""
+        if KD != "int8":
+            return T.float32(1)
+        return T.reinterpret("float32", (
+            T.bitwise_and(T.Cast("int32", c[0, g, t, HD]), 255)
+            | T.shift_left(T.bitwise_and(T.Cast("int32", c[0, g, t, HD + 1]), 255), 8)
+            | T.shift_left(T.bitwise_and(T.Cast("int32", c[0, g, t, HD + 2]), 255), 16)
+            | T.shift_left(T.Cast("int32", c[0, g, t, HD + 3]), 24)))
 
     @T.prim_func(private=True)
     def attention(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
                   cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
-                  kc: T.Buffer((1, HKV, C, HD), KD), vc: T.Buffer((1, HKV, C, HD), KD),
+                  kc: T.Buffer((1, HKV, C, RK), KD), vc: T.Buffer((1, HKV, C, RK), KD),
                   out: T.Buffer((M, D), "float32")):
         T.func_attr({"tir.noalias": True})
-        for rh in rows(M * H):
-            qr = T.alloc_buffer((HD,), "float32", scope=REG)
-            sc = T.alloc_buffer((C,), "float32", scope="local")
-            o = T.alloc_buffer((HD,), "float32", scope=REG)
-            st = T.alloc_buffer((3,), "float32", scope=REG)
-            pp = T.alloc_buffer((C, 16), "float32", scope="local")
-            r = rh // H
-            h = rh % H
-            g = h // G
+        # One KV head and its G query heads at a time: each cached K/V row is widened to
+        # float32 once for the G heads; the softmax's exp is vectorized (vexp).
+        for rg in rows(M * HKV):
+            qr = T.alloc_buffer((G, HD), "float32", scope=REG)
+            kf = T.alloc_buffer((HD,), "float32", scope=REG)
+            pp = T.alloc_buffer((16,), "float32", scope=REG)
+            o = T.alloc_buffer((G, HD), "float32", scope=REG)
+            st = T.alloc_buffer((2, G), "float32", scope=REG)  # max, sum per head
+            sv = T.alloc_buffer((16,), "float32", scope=REG)
+            sc = T.alloc_buffer((G, C), "float32", scope="local")
+            r = rg // HKV
+            g = rg % HKV
             p = T.Cast("int32", pos[0, r])
             if p >= 0 and p < C:
-                for i in range(HALF):
-                    qr[2 * i] = qkv[r, h * HD + 2 * i] * cos[p, i] - qkv[r, h * HD + 2 * i + 1] * sin[p, i]
-                    qr[2 * i + 1] = qkv[r, h * HD + 2 * i] * sin[p, i] + qkv[r, h * HD + 2 * i + 1] * cos[p, i]
-                st[0] = T.float32(-3.0e38)
-                # q·k for every cached position: 16-lane partial products first
-                # (independent across t, so they pipeline), then the lane sums.
-                for t in range(p + 1):
-                    for e in T.vectorized(16):
-                        pp[t, e] = (qr[e] * T.Cast("float32", kc[0, g, t, e])
-                                    + qr[16 + e] * T.Cast("float32", kc[0, g, t, 16 + e])
-                                    + qr[32 + e] * T.Cast("float32", kc[0, g, t, 32 + e])
-                                    + qr[48 + e] * T.Cast("float32", kc[0, g, t, 48 + e]))
-                for t in range(p + 1):
-                    st[1] = T.float32(0)
-                    for e in range(16):
-                        st[1] = st[1] + pp[t, e]
-                    sc[t] = st[1] * T.float32(scale)
-                    st[0] = T.max(st[0], sc[t])
-                st[2] = T.float32(0)
-                for t in range(p + 1):
-                    sc[t] = T.exp(sc[t] - st[0])
-                    st[2] = st[2] + sc[t]
-                for e in T.vectorized(HD):
-                    o[e] = T.float32(0)
+                for h in T.unroll(G):
+                    for i in range(HALF):
+                        qr[h, 2 * i] = (qkv[r, (g * G + h) * HD + 2 * i] * cos[p, i]
+                                        - qkv[r, (g * G + h) * HD + 2 * i + 1] * sin[p, i]) * T.float32(scale)
+                        qr[h, 2 * i + 1] = (qkv[r, (g * G + h) * HD + 2 * i] * sin[p, i]
+                                            + qkv[r, (g * G + h) * HD + 2 * i + 1] * cos[p, i]) * T.float32(scale)
+                    st[0, h] = T.float32(-3.0e38)
                 for t in range(p + 1):
                     for e in T.vectorized(HD):
-                        o[e] = o[e] + sc[t] * T.Cast("float32", vc[0, g, t, e])
-                for e in range(HD):
-                    out[r, h * HD + e] = o[e] / st[2]
+                        kf[e] = T.Cast("float32", kc[0, g, t, e])
+                    ks_ = row_scale(kc, g, t)
+                    for h in T.unroll(G):
+                        for e in T.vectorized(16):
+                            pp[e] = (qr[h, e] * kf[e] + qr[h, 16 + e] * kf[16 + e]
+                                     + qr[h, 32 + e] * kf[32 + e] + qr[h, 48 + e] * kf[48 + e])
+                        # lane sum as a halving tree (vector adds and shuffles, not 15 scalar adds)
+                        for e in T.vectorized(8):
+                            pp[e] = pp[e] + pp[8 + e]
+                        for e in T.vectorized(4):
+                            pp[e] = pp[e] + pp[4 + e]
+                        sc[h, t] = ((pp[0] + pp[2]) + (pp[1] + pp[3])) * ks_
+                        st[0, h] = T.max(st[0, h], sc[h, t])
+                for h in T.unroll(G):
+                    for e in T.vectorized(16):
+                        sv[e] = T.float32(0)
+                    for tb in range((p + 16) // 16):
+                        for e in T.vectorized(16):
+                            sc[h, tb * 16 + e] = T.Select(tb * 16 + e <= p, vexp(sc[h, tb * 16 + e] - st[0, h]),
+                                                          T.float32(0))
+                            sv[e] = sv[e] + sc[h, tb * 16 + e]
+                    for e in T.vectorized(8):
+                        sv[e] = sv[e] + sv[8 + e]
+                    for e in T.vectorized(4):
+                        sv[e] = sv[e] + sv[4 + e]
+                    st[1, h] = (sv[0] + sv[2]) + (sv[1] + sv[3])
+                    for e in T.vectorized(HD):
+                        o[h, e] = T.float32(0)
+                for t in range(p + 1):
+                    vs_ = row_scale(vc, g, t)
+                    for e in T.vectorized(HD):
+                        kf[e] = T.Cast("float32", vc[0, g, t, e]) * vs_
+                    for h in T.unroll(G):
+                        for e in T.vectorized(HD):
+                            o[h, e] = o[h, e] + sc[h, t] * kf[e]
+                for h in T.unroll(G):
+                    for e in T.vectorized(HD):
+                        out[r, (g * G + h) * HD + e] = o[h, e] / st[1, h]
             else:
-                for e in range(HD):
-                    out[r, h * HD + e] = T.float32(0)
+                for e in range(G * HD):
+                    out[r, g * G * HD + e] = T.float32(0)
     ks["attention"] = attention
-
-    @T.prim_func(private=True)
-    def attention_q8(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
-                     cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
-                     kc: T.Buffer((1, HKV, C, RW), "int8"), vc: T.Buffer((1, HKV, C, RW), "int8"),
-                     out: T.Buffer((M, D), "float32")):
-        T.func_attr({"tir.noalias": True})
-        for rh in rows(M * H):
-            qr = T.alloc_buffer((HD,), "float32", scope=REG)
-            sc = T.alloc_buffer((C,), "float32", scope="local")
-            o = T.alloc_buffer((HD,), "float32", scope=REG)
-            st = T.alloc_buffer((4,), "float32", scope=REG)
-            pp = T.alloc_buffer((C, 16), "float32", scope="local")
-            r = rh // H
-            h = rh % H
-            g = h // G
-            p = T.Cast("int32", pos[0, r])
-            if p >= 0 and p < C:
-                for i in range(HALF):
-                    qr[2 * i] = qkv[r, h * HD + 2 * i] * cos[p, i] - qkv[r, h * HD + 2 * i + 1] * sin[p, i]
-                    qr[2 * i + 1] = qkv[r, h * HD + 2 * i] * sin[p, i] + qkv[r, h * HD + 2 * i + 1] * cos[p, i]
-                st[0] = T.float32(-3.0e38)
-                for t in range(p + 1):
-                    for e in T.vectorized(16):
-                        pp[t, e] = (qr[e] * T.Cast("float32", kc[0, g, t, e])
-                                    + qr[16 + e] * T.Cast("float32", kc[0, g, t, 16 + e])
-                                    + qr[32 + e] * T.Cast("float32", kc[0, g, t, 32 + e])
-                                    + qr[48 + e] * T.Cast("float32", kc[0, g, t, 48 + e]))
-                for t in range(p + 1):
-                    st[1] = T.float32(0)
-                    for e in range(16):
-                        st[1] = st[1] + pp[t, e]
-                    sc[t] = st[1] * T.float32(scale) * T.reinterpret("float32", (
-                        T.bitwise_and(T.Cast("int32", kc[0, g, t, HD]), 255)
-                        | T.shift_left(T.bitwise_and(T.Cast("int32", kc[0, g, t, HD + 1]), 255), 8)
-                        | T.shift_left(T.bitwise_and(T.Cast("int32", kc[0, g, t, HD + 2]), 255), 16)
-                        | T.shift_left(T.Cast("int32", kc[0, g, t, HD + 3]), 24)))
-                    st[0] = T.max(st[0], sc[t])
-                st[2] = T.float32(0)
-                for t in range(p + 1):
-                    sc[t] = T.exp(sc[t] - st[0])
-                    st[2] = st[2] + sc[t]
-                for e in T.vectorized(HD):
-                    o[e] = T.float32(0)
-                for t in range(p + 1):
-                    st[3] = sc[t] * T.reinterpret("float32", (
-                        T.bitwise_and(T.Cast("int32", vc[0, g, t, HD]), 255)
-                        | T.shift_left(T.bitwise_and(T.Cast("int32", vc[0, g, t, HD + 1]), 255), 8)
-                        | T.shift_left(T.bitwise_and(T.Cast("int32", vc[0, g, t, HD + 2]), 255), 16)
-                        | T.shift_left(T.Cast("int32", vc[0, g, t, HD + 3]), 24)))
-                    for e in T.vectorized(HD):
-                        o[e] = o[e] + st[3] * T.Cast("float32", vc[0, g, t, e])
-                for e in range(HD):
-                    out[r, h * HD + e] = o[e] / st[2]
-            else:
-                for e in range(HD):
-                    out[r, h * HD + e] = T.float32(0)
-    if KD == "int8":
-        ks["attention"] = attention_q8
 
     F = d.ffn
 
@@ -625,8 +615,10 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
     def silu_mul(gu: T.Buffer((M, 2 * F), "float32"), y: T.Buffer((M, F), "float32")):
         T.func_attr({"tir.noalias": True})
         for r in range(M):
-            for i in range(F):
-                y[r, i] = gu[r, i] / (T.float32(1) + T.exp(T.float32(0) - gu[r, i])) * gu[r, F + i]
+            for io in range(F // 16):
+                for ii in T.vectorized(16):
+                    y[r, io * 16 + ii] = (gu[r, io * 16 + ii] / (T.float32(1) + vexp(T.float32(0) - gu[r, io * 16 + ii]))
+                                          * gu[r, F + io * 16 + ii])
     ks["silu_mul"] = silu_mul
 
     ks["embed"] = embed(d.vocab)
