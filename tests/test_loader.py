@@ -3,6 +3,7 @@ zero-copy inputs, outputs against onnxruntime, unload without leaks."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -304,3 +305,122 @@ def test_load_infer_unload_cycles_do_not_leak(compiled):
         rss.append(_rss_mb())
     assert len(outs) == 7
     assert max(rss[1:]) - rss[0] <= 5
+
+
+# ---------------------------------------------------------------- refusals at their words (each kills a mutant that survived)
+
+@pytest.mark.parametrize("mutate, text", [
+    (lambda d: b"MZ\x90\x00" + d[4:], "not an ELF file (starts with b'MZ\\x90\\x00', {n} bytes)"),
+    (lambda d: d[:63], "not an ELF file (starts with b'\\x7fELF', 63 bytes)"),
+    (lambda d: _patched(d, 4, b"\x01"), "ELF class 1 (ELFCLASS32), this device loads ELFCLASS64"),
+    (lambda d: _patched(d, 4, b"\x03"), "ELF class 3 (unknown), this device loads ELFCLASS64"),
+    (lambda d: _patched(d, 5, b"\x02"), "ELF data encoding 2 is not little endian (ELFDATA2LSB)"),
+    (lambda d: _patched(d, 16, (2).to_bytes(2, "little")), "ELF type ET_EXEC, a loadable module is a shared object (ET_DYN)"),
+    # the section header string table names no .dynsym any more
+    (lambda d: d.replace(b".dynsym\0", b".dynsyX\0", 1), "ELF has no dynamic symbol table (.dynsym)"),
+], ids=["magic", "63-bytes", "class32", "class3", "big-endian", "exec", "no-dynsym"])
+def test_elf_refusals_say_what_they_saw(good_elf, mutate, text):
+    bad = mutate(good_elf)
+    with pytest.raises(LoadError) as e:
+        loader.load_module(bad)
+    assert str(e.value) == text.format(n=len(bad))
+
+
+def test_a_64_byte_elf_header_alone_passes_the_ident_check_and_is_malformed(good_elf):
+    with pytest.raises(LoadError) as e:
+        loader.load_module(good_elf[:64])
+    assert re.match(r"malformed ELF: [A-Z]\w*(Error|Exception): ", str(e.value)), str(e.value)
+
+
+def test_import_and_entry_refusals_say_what(tmp_path):
+    elf = _gcc_so(tmp_path, '#include <stdlib.h>\nint run(void) { return system("true"); }\n')
+    with pytest.raises(SymbolError) as e:
+        loader.load_module(elf)
+    assert str(e.value) == "module imports 'system', which the firmware does not export"
+    with pytest.raises(SymbolError) as e:
+        loader.load_module(_gcc_so(tmp_path, "int add1(int x) { return x + 1; }\n"))
+    assert str(e.value) == ("no TVM module entry: symbol '__tvm_ffi__library_bin' is missing "
+                            "(not a library exported by TVM)")
+
+
+def _gcc_so_linking(tmp_path, *flags: str) -> bytes:
+    """A module that names libraries (or a search path) of its own; it calls nothing from them."""
+    (tmp_path / "own.c").write_text("int own_fn(void) { return 1; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "libown.so"), str(tmp_path / "own.c")], check=True)
+    (tmp_path / "m.c").write_text("char __tvm_ffi__library_bin[1];\n")
+    so = tmp_path / "m.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(so), str(tmp_path / "m.c"), *flags], check=True)
+    return so.read_bytes()
+
+
+def test_a_module_needing_a_library_of_its_own_is_refused_naming_it(tmp_path):
+    elf = _gcc_so_linking(tmp_path, f"-L{tmp_path}", "-Wl,--no-as-needed", "-lown")
+    with pytest.raises(SymbolError) as e:
+        loader.load_module(elf)
+    assert e.value.symbol == "libown.so" and e.value.status == Status.ERR_SYMBOL
+    assert str(e.value) == ("module needs 'libown.so'; it may link only libc.so.6, libgcc_s.so.1, libm.so.6, "
+                            "libstdc++.so.6")
+
+
+def test_a_module_with_its_own_library_search_path_is_refused(tmp_path):
+    with pytest.raises(LoadError) as e:
+        loader.load_module(_gcc_so_linking(tmp_path, f"-Wl,-rpath,{tmp_path}"))
+    assert str(e.value) == ("module sets RUNPATH; libraries are looked up only where the device's are "
+                            "(drop -rpath)")
+
+
+IO_META_OK = "{0x54,0x49,0x4f,0x4d, 1,0,0,0, 1,0,0,0, 1,0,0,0, 64,0,0,0,0,0,0,0, 64,0,0,0,0,0,0,0, 0,0,0,0, 0,0,0,0}"
+
+
+@pytest.mark.parametrize("decl, text", [
+    ("const unsigned char _binary_tvm_dsp_io_meta_start[39] = {1};", "io_meta blob is 39 bytes, expected 40"),
+    ("unsigned char _binary_tvm_dsp_io_meta_start[40];",  # zero-filled: .bss, no bytes in the file
+     "symbol _binary_tvm_dsp_io_meta_start (40 bytes) lies outside the file's section .bss"),
+    ('__asm__(".globl _binary_tvm_dsp_io_meta_start\\n.set _binary_tvm_dsp_io_meta_start, 0x40");',
+     "symbol _binary_tvm_dsp_io_meta_start is not in a section (st_shndx SHN_ABS)"),
+    # alone in its section, the blob ends exactly where the section does: it is read, and the
+    # module fails only later, when TVM's loader finds no module in the 1-byte library blob
+    ('__attribute__((section(".iometa"))) const unsigned char _binary_tvm_dsp_io_meta_start[40] = '
+     + IO_META_OK + ";", "dynamic loading failed: "),
+], ids=["39-bytes", "bss", "absolute", "section-end"])
+def test_io_meta_symbol_refusals(tmp_path, decl, text):
+    elf = _gcc_so(tmp_path, "char __tvm_ffi__library_bin[1];\n" + decl + "\n")
+    with pytest.raises(LoadError) as e:
+        loader.load_module(elf)
+    assert str(e.value) == text if not text.endswith(": ") else str(e.value).startswith(text), str(e.value)
+
+
+def test_ddr_refusal_names_text_data_and_workspace_from_the_segments(good_elf):
+    import io
+
+    from elftools.elf.constants import P_FLAGS
+    from elftools.elf.elffile import ELFFile
+
+    segs = [s for s in ELFFile(io.BytesIO(good_elf)).iter_segments() if s["p_type"] == "PT_LOAD"]
+    text = sum(s["p_memsz"] for s in segs if s["p_flags"] & P_FLAGS.PF_X)
+    data = sum(s["p_memsz"] for s in segs if not s["p_flags"] & P_FLAGS.PF_X)
+    assert text and data
+    mod = loader.load_module(good_elf)
+    work = mod.workspace_bytes
+    need = text + data + work
+    assert (mod.text_size, mod.data_size) == (text, data)
+    mod.unload()
+    with pytest.raises(NoMemError) as e:
+        loader.load_module(good_elf, ddr_free=need - 1)
+    assert str(e.value) == (f"module needs {need} bytes of the DDR pool ({text} text + {data} data + {work} "
+                            f"workspace), {need - 1} free")
+    assert (e.value.oom_requested, e.value.oom_free, e.value.oom_total) == (need, need - 1, 0)
+    loader.load_module(good_elf, ddr_free=need).unload()  # exactly enough
+
+
+def test_calls_after_unload_and_without_weights_say_why(compiled):
+    sep = _load(compiled("multi_output", separate=True))
+    with pytest.raises(WeightsError) as e:
+        sep.run(_inputs(sep.signature))
+    assert str(e.value) == "module has separate weights and none are loaded (MODEL_LOAD first)"
+    sep.unload()
+    from dspx.device.core.errors import CallError
+
+    with pytest.raises(CallError) as e:
+        sep.run(_inputs(sep.signature))
+    assert str(e.value) == "module is unloaded"
