@@ -56,6 +56,15 @@ def compile_module(onnx_path: Path, out: Path, threads: int, calibrate: Path | N
     return res
 
 
+def _initializers_not_inputs(m) -> None:
+    """From IR 4 on, an initializer listed as a graph input is an overridable
+    default, not a constant: onnxruntime would not fold BatchNorm into it."""
+    names = {i.name for i in m.graph.initializer}
+    keep = [i for i in m.graph.input if i.name not in names]
+    del m.graph.input[:]
+    m.graph.input.extend(keep)
+
+
 def ort_int8(onnx_path: Path, out: Path, samples) -> Path:
     """onnxruntime's own static quantization of the model file."""
     import logging
@@ -79,6 +88,7 @@ def ort_int8(onnx_path: Path, out: Path, samples) -> Path:
         # old graphs (the light models: IR 3, opset 9, initializers not listed as inputs):
         # per-channel DequantizeLinear needs opset 13, quantize_static upgrades to 11 only
         m.ir_version = max(m.ir_version, 4)
+        _initializers_not_inputs(m)
         m = onnx.version_converter.convert_version(m, 13)
     onnx.save(m, str(pre))
     quant_pre_process(str(pre), str(pre))

@@ -345,7 +345,12 @@ def qdq_model(model: onnx.ModelProto, arrays: dict[str, np.ndarray]) -> onnx.Mod
     model = onnx.ModelProto.FromString(model.SerializeToString())
     # IR 3 requires every initializer to be a graph input, which BatchNorm folding's new
     # ones are not; quantize_static's opset upgrade then refuses the graph
-    model.ir_version = max(model.ir_version, 4)
+    if model.ir_version < 4:
+        model.ir_version = 4  # and its initializers are constants, not overridable inputs
+        names = {i.name for i in model.graph.initializer}
+        keep = [i for i in model.graph.input if i.name not in names]
+        del model.graph.input[:]
+        model.graph.input.extend(keep)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
     if opset < 13:  # per-channel DequantizeLinear (its axis) needs opset 13; quantize_static upgrades to 11 only
         from onnx import version_converter
