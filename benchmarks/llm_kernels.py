@@ -1,0 +1,127 @@
+"""Per-kernel cost of the SmolLM2 device modules, in this process, one thread.
+
+    .venv/bin/python benchmarks/llm_kernels.py [--rows 37] [--repeat 20]
+
+Builds each TIR kernel of the prefill entry (one 64-row chunk, ``--rows`` real
+rows, positions 0…rows-1) and of the decode attention at the end of each KV
+dtype's context, runs it on random inputs of its own shapes and reports the
+process CPU time per call with TVM_NUM_THREADS=1 (CPU time, so the figures
+hold on a busy machine better than wall time; two free cores roughly halve
+the parallel kernels' wall time), GFLOP/s for the GEMMs, and the per-token
+totals (× layers). Prints a table, writes benchmarks/results/llm_kernels.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+os.environ["TVM_NUM_THREADS"] = "1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+import numpy as np  # noqa: E402
+
+SMOLLM2 = dict(n_layers=30, dim=576, n_heads=9, n_kv=3, head_dim=64, ffn=1536, vocab=49152, theta=100000.0, eps=1e-5)
+
+
+def random_args(func, rng, rows: int, pos0: int = 0):
+    """tvm tensors for a kernel's buffers: random values, positions pos0… for `rows` rows, -1 after."""
+    import tvm
+
+    out = []
+    # the buffers as the kernel's TVMScript signature declares them
+    head = func.script().split("def main(", 1)[1].split("):\n", 1)[0]
+    for bname, dims, dt in re.findall(r'(\w+): T\.Buffer\(\(([\d, ]+)\), "(\w+)"\)', head):
+        shape = [int(x) for x in dims.split(",") if x.strip()]
+        if bname == "pos":
+            a = np.full(shape, -1, np.int64)
+            a[0, :rows] = np.arange(pos0, pos0 + rows)
+        elif bname == "ids":
+            a = rng.integers(0, 1000, shape).astype(dt)
+        elif dt.startswith("uint") or dt.startswith("int"):
+            info = np.iinfo(dt)
+            a = rng.integers(info.min, info.max, shape, endpoint=True).astype(dt)
+        else:
+            a = (rng.standard_normal(shape) * (0.01 if dt == "float16" else 1)).astype(dt)
+        if bname in ("kc", "vc") and dt == "int8":  # rows' trailing float32 scale: a sane value
+            a[..., -4:] = np.frombuffer(np.float32(0.01).tobytes(), np.int8)
+        out.append(tvm.runtime.tensor(a))
+    return out
+
+
+def time_kernel(func, name, target, args, repeat):
+    import tvm
+
+    lib = tvm.compile(tvm.IRModule({name: func.with_attr("global_symbol", name)}), target=target)
+    fn = lib[name]
+    fn(*args)
+    t0 = time.process_time()
+    for _ in range(repeat):
+        fn(*args)
+    return (time.process_time() - t0) / repeat
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=37, help="real rows of the prefill chunk (the rest is padding)")
+    ap.add_argument("--repeat", type=int, default=20)
+    a = ap.parse_args()
+    import tvm
+    from dspx.compiler import llm as L
+    from dspx.compiler.onnx import make_target
+
+    target = tvm.target.Target(make_target(L.LLM_TARGET))
+    rng = np.random.default_rng(0)
+    d = L.Dims(**SMOLLM2)
+    ks = L._kernels(d, d.chunk, True)
+    gemm = {"gemv_qkv": (d.dim, d.qkv), "gemv_o": (d.dim, d.dim), "gemv_gate_up": (d.dim, 2 * d.ffn),
+            "gemv_down": (d.ffn, d.dim), "lm_head": (d.dim, d.vocab)}
+    per_layer = ["rmsnorm", "gemv_qkv", "kv_write", "attention", "gemv_o", "rmsnorm", "gemv_gate_up", "silu_mul",
+                 "gemv_down"]
+    once = ["embed", "rmsnorm", "lm_head"]
+    results = {"rows": a.rows, "target": str(target.attrs["mcpu"]), "load_avg_start": os.getloadavg()[0],
+               "prefill_us": {}, "decode_attention_us": {}}
+    cost = {}
+    for name in dict.fromkeys(per_layer + once):
+        cost[name] = time_kernel(ks[name], name, target, random_args(ks[name], rng, a.rows), a.repeat)
+        results["prefill_us"][name] = round(cost[name] * 1e6, 1)
+    total = sum(cost[n] for n in per_layer) * d.n_layers + sum(cost[n] for n in once)
+    print(f"prefill chunk: {a.rows} real rows of {d.chunk}, {results['target']}, 1 thread, CPU time per call")
+    print(f"{'kernel':14s} {'us/call':>9s} {'calls':>6s} {'ms/chunk':>9s} {'share':>6s} {'GFLOP/s':>8s}")
+    for name in dict.fromkeys(per_layer + once):
+        calls = per_layer.count(name) * d.n_layers + once.count(name)
+        gf = ""
+        if name in gemm:
+            k, n = gemm[name]
+            rows = 1 if name == "lm_head" else a.rows
+            gf = f"{2 * rows * k * n / cost[name] / 1e9:.1f}"
+        print(f"{name:14s} {cost[name] * 1e6:9.1f} {calls:6d} {cost[name] * calls * 1e3:9.2f} "
+              f"{cost[name] * calls / total:6.1%} {gf:>8s}")
+    print(f"{'total':14s} {'':9s} {'':6s} {total * 1e3:9.2f}  -> {a.rows / total:.0f} tok/s on one core")
+    results["prefill_ms_one_core"] = round(total * 1e3, 2)
+    print("\ndecode attention at the last position of each KV dtype's context (one layer, 1 thread):")
+    for kd in ("float32", "float16", "int8"):
+        ctx = L.largest_context(d.n_layers, d.n_kv, d.head_dim, kd)
+        dk = L.Dims(**SMOLLM2, context=ctx, kv_dtype=kd)
+        f = L._kernels(dk, 1, False)["attention"]
+        t = time_kernel(f, "attention", target, random_args(f, rng, 1, pos0=ctx - 1), a.repeat)
+        t37 = time_kernel(f, "attention", target, random_args(f, rng, 1, pos0=37), a.repeat)
+        results["decode_attention_us"][kd] = {"context": ctx, "at_end": round(t * 1e6, 1), "at_37": round(t37 * 1e6, 1)}
+        print(f"  {kd:8s} context {ctx:5d}: {t * 1e6:7.1f} us/layer at {ctx - 1} ({t * d.n_layers * 1e3:.2f} ms/token), "
+              f"{t37 * 1e6:6.1f} at 37")
+    results["load_avg_end"] = os.getloadavg()[0]
+    print(f"load average {results['load_avg_start']:.2f} -> {results['load_avg_end']:.2f}")
+    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
+    out = os.path.join(ROOT, "benchmarks", "results", "llm_kernels.json")
+    with open(out, "w") as fh:
+        json.dump(results, fh, indent=2)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
