@@ -79,7 +79,7 @@ def client_of():
     def make(path, **kw):
         kw.setdefault("staging_size", 1 << 20)
         kw.setdefault("kv_size", 1 << 16)
-        c = Client(path, timeout=20, **kw)
+        c = Client(path, timeout=60, **kw)  # a hang still fails; 20 s was too short for a load under load 19
         opened.append(c)
         return c
 
