@@ -930,7 +930,17 @@ def ort_session_options(threads: int | None = None):
     else:
         so.intra_op_num_threads = threads or _threads
         so.inter_op_num_threads = 1
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        spin = os.environ.get("DSPX_ORT_SPIN_US", "0")
+        if spin.isdigit() and int(spin) > 0:
+            # Candidate for idle cores (docs/kernels.md, Threads): a worker that
+            # spins this long after its op keeps its vCPU out of halt, so the
+            # next kernel's worker wakes fast.  Off by default: under load
+            # (12-14) ResNet-18 went 0.83 -> 1.19 (300 us) and 1.77 (1000 us)
+            # paired against onnxruntime.
+            so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+            so.add_session_config_entry("session.intra_op.spin_duration_us", spin)
+        else:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.log_severity_level = 3
     return so
 
