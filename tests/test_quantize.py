@@ -118,6 +118,16 @@ def test_int8_kernels_match_numpy_arithmetic():
     K.conv2d_q8(x, w, b, ws, (2, 2), (1, 1, 1, 1), (1, 1), 1, 0, 1, xs, xz, rs, rz, out)
     assert rz == 0 and out.min() == 0.0 and np.abs(out - _dq(conv, rs, 0)).max() <= rs * 1.001
 
+    # depthwise (groups = channels), as in ShuffleNet / MobileNet
+    wg = rng.integers(-127, 128, (16, 1, 3, 3)).astype(np.int8)
+    gs = rng.uniform(5e-3, 1e-2, 16).astype(np.float32)
+    dw = K._conv_numpy(_dq(x, xs, xz), wg.astype(np.float32) * gs[:, None, None, None], b[:16],
+                       [1, 1], [1, 1, 1, 1], [1, 1], 16)
+    ds_, dz_ = qparams(dw.min(), dw.max())
+    og = np.empty(dw.shape, np.float32)
+    K.conv2d_q8(x, wg, b[:16], gs, (1, 1), (1, 1, 1, 1), (1, 1), 16, 0, 0, xs, xz, ds_, dz_, og)
+    assert np.abs(og - _dq(dw, ds_, dz_)).max() <= ds_ * 1.001
+
     xd = rng.standard_normal((3, 64)).astype(np.float32)
     wd = rng.integers(-127, 128, (10, 64)).astype(np.int8)
     wds = rng.uniform(5e-3, 1e-2, 10).astype(np.float32)
