@@ -33,7 +33,8 @@ def test_fuzz_short_run_zero_crashes_hangs_or_leaks(compiled):
         fds_before = device_footprint(dev.proc.pid)["fds_front"]
 
         fz = Fuzzer(dev.path, {n: compiled(n) for n in ("multi_input", "multi_output")}, seed=7,
-                    foreign=foreign, front_pid=dev.proc.pid, reset_every=2000, window=8)
+                    foreign=foreign, front_pid=dev.proc.pid, reset_every=2000, window=8,
+                    fixture_every=500)
         stats = fz.run(MESSAGES)
         fz.close()
         report = stats.as_dict()
