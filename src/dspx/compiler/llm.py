@@ -787,6 +787,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
         with prog.stage(f"export_{name}", f"export {outdir / fname}"):
             sig = _signature(d, M, weights, digest)
             sig.cpu_features = features  # the device refuses the module where one is missing
+            sig.target_cpu = target_dict["mcpu"]
             sig.workspace_bytes = record.get("workspace_bytes", 0)
             io_meta = make_io_meta(sig.inputs, sig.outputs)
             export_module(ex, outdir / fname, {IO_META_NAME: io_meta.encode(), SIGNATURE_NAME: sig.encode()})
