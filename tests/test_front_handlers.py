@@ -455,3 +455,74 @@ def test_infer_input_refusals_say_which_input_and_why(front, sig, descs_of, want
     st, got = _infer_error_text(front, sig, descs_of)
     base = min(front.conn.bufs)
     assert (st, got) == (want, text.format(base + 4096))
+
+
+def _attach_refusal(front, size, fd, **limits) -> tuple[int, str]:
+    import dataclasses
+
+    front.st.limits = dataclasses.replace(front.st.limits, **limits)
+    st = status(front(P.BufAttach(size=size), [fd]))
+    (e,) = responses(front(P.GetError()))
+    assert e.error_status == st
+    return st, e.payload.decode()
+
+
+def test_attach_refusals_say_what(front):
+    front.attach(4096)
+    b = memory.DmaBuf(64 * MiB, "test")
+    front.bufs.append(b)
+    assert _attach_refusal(front, 4096, os.dup(b.fd), bufs_per_conn=1) == (
+        S.ERR_NOMEM, "connection has 1 buffers attached (limit 1 per connection)")
+    assert _attach_refusal(front, 64 * MiB, os.dup(b.fd), bufs_per_conn=128) == (  # 4096 attached already
+        S.ERR_NOMEM, f"connection quota: {64 * MiB} bytes requested, 4096 of {64 * MiB} attached by this "
+                     f"connection already (free {64 * MiB - 4096}; window total {64 * MiB})")
+    assert _attach_refusal(front, 64 * MiB, os.dup(b.fd), conn_bytes=0) == (  # no quota: the window is full
+        S.ERR_NOMEM, f"carveout window has no room for {64 * MiB} bytes (free {64 * MiB - 4096}, largest hole "
+                     f"{64 * MiB - 4096}, total {64 * MiB})")
+    assert _attach_refusal(front, 4096, os.open("/dev/null", os.O_RDWR)) == (
+        S.ERR_INVALID, "cannot attach: attached fd is not a memory file")
+
+
+def test_each_buffer_has_its_own_id_which_detach_forgets(front):
+    a, b = front.attach(4096), front.attach(4096)
+    ids = [front.conn.bufs[a].buf_id, front.conn.bufs[b].buf_id]
+    assert all(type(i) is int for i in ids) and ids[0] != ids[1] and front.conn.bufs[a].region.buf_id == ids[0]
+    forget = [x for x in front(P.BufDetach(dsp_addr=b)) if isinstance(x, Forget)]
+    assert [f.bufs for f in forget] == [[ids[1]]]
+
+
+def test_plans_have_ids_and_an_rpc_without_a_key_is_not_kept(front):
+    base = front.attach(4096)
+    front.st.op_table[0x1402] = ("softmax", 0, 0)
+    rpc = submitted(front(P.Rpc(cmd=0x1402, input_dsp_addr=base, input_size=16, output_dsp_addr=base + 64,
+                                output_size=16)))
+    inf = submitted(front(infer_req(base, front.module(), 4096, [_desc(base + 128)])))
+    assert type(rpc.plan.plan_id) is int and type(inf.plan.plan_id) is int and rpc.plan.plan_id != inf.plan.plan_id
+    assert not front.conn.plans
+
+
+def test_a_dyn_load_job_reads_the_staging_buffer_and_holds_it(front):
+    stg = front.attach(4096, staging=True)
+    sb = front.conn.bufs[stg]
+    job = submitted(front(P.DynLoad(elf_size=100)))
+    assert (job.rec.buf, job.rec.size, job.rec.ddr_free) == (sb.buf_id, 100, 8 * MiB)
+    assert job.bufs == [sb]
+
+
+def test_ops_load_reserved_fields_say_so(front):
+    base = front.attach(4096)
+    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=10, flags=1))) == S.ERR_INVALID
+    (e,) = responses(front(P.GetError()))
+    assert e.payload == b"flags and reserved must be zero"
+
+
+def test_the_devices_job_timeout_gives_an_rpc_without_one_a_deadline():
+    f = Front()
+    f.h = Handlers(f.st, Cores(2, lambda i: 1), job_timeout_s=2.5)
+    base = f.attach(4096)
+    f.st.op_table[0x1402] = ("softmax", 0, 0)
+    job = submitted(f(P.Rpc(cmd=0x1402, input_dsp_addr=base, input_size=16, output_dsp_addr=base + 64,
+                            output_size=16)))
+    assert f.h.job_timeout_s == 2.5 and job.deadline is not None
+    for b in f.bufs:
+        b.close()
