@@ -10,7 +10,8 @@ output is requantized with its calibrated range, as onnxruntime's own QDQ
 models do) or ``QuantizeLinear -> QGemm`` (float output, no requantization).
 
 Split from kernels.py (which imports this module at its end, so these are in
-the same registry, ABI check and ``register_all``).
+the same registry, ABI check and ``register_all``).  Each kernel returns its
+bound run, so a call site replays it (kernels._site_cached).
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ class _QOp(_OrtOp):
                                          providers=["CPUExecutionProvider"])
         self.names = [n for n, _ in inputs]
         self.out = out[0]
-        self.io = self.sess.io_binding()
-        self.bound = ()
 
 
 def _qparams(scale: float, zero: int, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -102,10 +101,10 @@ def _conv_q8(data, weight, bias, residual, wscale, strides, padding, dilation, g
 
     op = _cached(w, ("q8-conv", tuple(strides), tuple(pads), tuple(dil), groups, act, r is not None, x.shape,
                      float(xs), int(xz), float(ys), int(yz), _np(bias).ctypes.data), make)
-    op([x] if r is None else [x, r], o)
+    return op([x] if r is None else [x, r], o)
 
 
-@_kernel("conv2d_q8", "onnxruntime QuantizeLinear + QLinearConv + DequantizeLinear (u8s8)")
+@_kernel("conv2d_q8", "onnxruntime QuantizeLinear + QLinearConv + DequantizeLinear (u8s8)", site=True)
 def conv2d_q8(data, weight, bias, wscale, strides, padding, dilation, groups, layout, act,
               in_scale, in_zero, out_scale, out_zero, out):
     """int8 convolution, out = act(dq(q(conv(q(data), weight) + bias))).
@@ -114,19 +113,19 @@ def conv2d_q8(data, weight, bias, wscale, strides, padding, dilation, groups, la
     OIHW with per-output-channel scales wscale (O,); bias float32 (O,); the
     result is requantized with (out_scale, out_zero) and returned as float32.
     """
-    _conv_q8(data, weight, bias, None, wscale, strides, padding, dilation, groups, layout, act,
+    return _conv_q8(data, weight, bias, None, wscale, strides, padding, dilation, groups, layout, act,
              in_scale, in_zero, out_scale, out_zero, out)
 
 
-@_kernel("conv2d_add_q8", "as conv2d_q8, residual added in float32")
+@_kernel("conv2d_add_q8", "as conv2d_q8, residual added in float32", site=True)
 def conv2d_add_q8(data, weight, bias, residual, wscale, strides, padding, dilation, groups, layout, act,
                   in_scale, in_zero, out_scale, out_zero, out):
     """out = act(dq(q(conv + bias)) + residual): the int8 convolution's float result plus the residual."""
-    _conv_q8(data, weight, bias, residual, wscale, strides, padding, dilation, groups, layout, act,
+    return _conv_q8(data, weight, bias, residual, wscale, strides, padding, dilation, groups, layout, act,
              in_scale, in_zero, out_scale, out_zero, out)
 
 
-@_kernel("dense_q8", "onnxruntime QuantizeLinear + QGemm (u8s8, float output)")
+@_kernel("dense_q8", "onnxruntime QuantizeLinear + QGemm (u8s8, float output)", site=True)
 def dense_q8(data, weight, bias, wscale, trans_b, act, in_scale, in_zero, out):
     """int8 fully connected: out = act(q(data) @ W + bias) with W = weight * wscale along N.
 
@@ -161,4 +160,4 @@ def dense_q8(data, weight, bias, wscale, trans_b, act, in_scale, in_zero, out):
         return _QOp(nodes, [("x", x2.shape)], (last, o2.shape), inits)
 
     op = _cached(w, ("q8-dense", tb, act, x2.shape, float(xs), int(xz), _np(bias).ctypes.data), make)
-    op([x2], o2)
+    return op([x2], o2)
