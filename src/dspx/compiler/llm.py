@@ -860,9 +860,17 @@ def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True, *, conte
                 continue
             if old != compiler_digest():
                 shutil.rmtree(stale, ignore_errors=True)
-        tmp = root / (key + ".tmp")
+        # one temporary directory per process: two processes compiling the same key at
+        # once (tests and a benchmark) must not delete each other's half-written build
+        tmp = root / f"{key}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         compile_llm(path, tmp, progress=progress, context=context, kv_dtype=kv_dtype)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
+        if out.exists() and not (out / METADATA_FILE).exists():
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process finished first: keep its build
+            if not (out / METADATA_FILE).exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
