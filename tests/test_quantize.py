@@ -145,6 +145,38 @@ def test_int8_kernels_match_numpy_arithmetic():
         K.conv2d_q8(x, w, b, ws, (2, 2), (1, 1, 1, 1), (1, 1), 1, 4, 0, xs, xz, ys, yz, out)
 
 
+def test_int8_kernels_numpy_fallback_matches_onnxruntime():
+    """Without onnxruntime as the kernel backend the int8 kernels compute on exact
+    integers in numpy: the same result within one output quantum."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 16, 8, 8)).astype(np.float32)
+    w = rng.integers(-127, 128, (16, 16, 3, 3)).astype(np.int8)
+    ws = rng.uniform(5e-4, 1e-3, 16).astype(np.float32)
+    b = (rng.standard_normal(16) * 0.1).astype(np.float32)
+    res = rng.standard_normal((1, 16, 8, 8)).astype(np.float32)
+    xd, wd = rng.standard_normal((2, 48)).astype(np.float32), rng.integers(-127, 128, (5, 48)).astype(np.int8)
+    xs, xz = qparams(x.min(), x.max())
+    ys, yz = 0.02, 100
+
+    def run():
+        outs = [np.empty((1, 16, 8, 8), np.float32) for _ in range(2)] + [np.empty((2, 5), np.float32)]
+        K.conv2d_q8(x, w, b, ws, (1, 1), (1, 1, 1, 1), (1, 1), 1, 0, 1, xs, xz, ys, yz, outs[0])
+        K.conv2d_add_q8(x, w, b, res, ws, (1, 1), (1, 1, 1, 1), (1, 1), 1, 0, 1, xs, xz, ys, yz, outs[1])
+        K.dense_q8(xd, wd, b[:5], ws[:5] * 10, 1, 1, xs, xz, outs[2])
+        return outs
+
+    assert K.backend() == "onnxruntime"
+    fast = run()
+    try:
+        K.configure_backend("numpy")
+        slow = run()
+    finally:
+        K.configure_backend("auto")
+    assert np.abs(fast[0] - slow[0]).max() <= ys * 1.001 and np.abs(fast[1] - slow[1]).max() <= ys * 1.001
+    np.testing.assert_allclose(fast[2], slow[2], atol=1e-5 * np.abs(slow[2]).max())
+    assert np.abs(fast[0]).max() > 0 and np.abs(slow[2]).max() > 0
+
+
 # ---------------------------------------------------------------- the compiled module
 
 def test_int8_module_on_device_agrees_with_onnxruntime_qdq(q8, shared_device, tmp_path):

@@ -4,7 +4,8 @@ Activations arrive and leave as float32; inside, each kernel quantizes its
 input with the calibrated per-tensor scale and zero point (uint8), runs the
 convolution / matrix product in int8 (uint8 activations x int8 per-channel
 weights, int32 accumulation: MLAS' u8s8 kernels with VNNI where the CPU has
-it) and dequantizes.  The backend is onnxruntime: one small session per
+it) and dequantizes.  The backend is onnxruntime (numpy on exact float64
+integers when the kernel backend is not onnxruntime, ~10-50x slower): one small session per
 weight, ``QuantizeLinear -> QLinearConv -> DequantizeLinear`` (a convolution's
 output is requantized with its calibrated range, as onnxruntime's own QDQ
 models do) or ``QuantizeLinear -> QGemm`` (float output, no requantization).
@@ -19,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...abi.kernels import ACT_RELU, LAYOUT_NCHW
-from .kernels import KernelError, _cached, _ints, _kernel, _np, _OrtOp, ort_session_options
+from .kernels import KernelError, _cached, _conv_numpy, _ints, _kernel, _np, _OrtOp, backend, ort_session_options
 
 _INT32 = np.iinfo(np.int32)
 
@@ -57,6 +58,16 @@ def _bias_int32(bias: np.ndarray, in_scale: np.ndarray, wscale: np.ndarray) -> n
     return np.clip(q, _INT32.min, _INT32.max).astype(np.int32)
 
 
+def _centered(x: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    """uint8-quantized x minus its zero point, as float64 (exact integers: the
+    numpy fallback's products and sums stay exact where float32's would not)."""
+    return np.clip(np.rint(x / scale) + float(zero), 0, 255) - float(zero)
+
+
+def _requantize(y: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    return ((np.clip(np.rint(y / float(scale)) + float(zero), 0, 255) - float(zero)) * float(scale)).astype(np.float32)
+
+
 def _conv_q8(data, weight, bias, residual, wscale, strides, padding, dilation, groups, layout, act,
              in_scale, in_zero, out_scale, out_zero, out):
     from onnx import helper
@@ -79,6 +90,17 @@ def _conv_q8(data, weight, bias, residual, wscale, strides, padding, dilation, g
         raise KernelError("conv2d_q8: data, residual and out must be contiguous")
     xs, xz = _qparams(in_scale, in_zero, "conv2d_q8 input")
     ys, yz = _qparams(out_scale, out_zero, "conv2d_q8 output")
+    if backend() != "onnxruntime":
+        s = _np(wscale).astype(np.float64)
+        acc = _conv_numpy(_centered(x, xs, xz), w.astype(np.float64), None, strides, pads, dil, groups)
+        acc += _bias_int32(_np(bias), xs, s).reshape(1, -1, 1, 1)
+        y = _requantize(acc * (float(xs) * s).reshape(1, -1, 1, 1), ys, yz)
+        if r is not None:
+            y += r
+        if act == ACT_RELU:
+            np.maximum(y, 0, out=y)
+        o[...] = y
+        return None
 
     def make():
         s = _np(wscale).astype(np.float32)
@@ -146,6 +168,13 @@ def dense_q8(data, weight, bias, wscale, trans_b, act, in_scale, in_zero, out):
         raise KernelError("dense_q8: data and out must be contiguous")
     xs, xz = _qparams(in_scale, in_zero, "dense_q8 input")
     x2, o2 = x.reshape(-1, k), o.reshape(-1, n)
+    if backend() != "onnxruntime":
+        s = _np(wscale).astype(np.float64)
+        acc = _centered(x2, xs, xz) @ (w.T if tb else w).astype(np.float64) + _bias_int32(_np(bias), xs, s)
+        o2[...] = acc * (float(xs) * s)
+        if act == ACT_RELU:
+            np.maximum(o2, 0, out=o2)
+        return None
 
     def make():
         s = _np(wscale).astype(np.float32)
