@@ -89,6 +89,7 @@ def _kernel(short: str, backend: str, site: bool = False):
 # address can come back as another buffer, which then has the same shape and
 # is just as valid to bind); clear_caches() drops every entry with the module.
 _sites: dict[tuple, tuple] = {}  # key -> (run, weight sample view, its bytes then)
+_MAX_SITES = 4096  # a ResNet-50 needs ~110 (55 kernel calls x 2 buffer sets)
 
 
 def _site_key(short: str, args: tuple) -> tuple | None:
@@ -117,6 +118,8 @@ def _site_cached(short: str, fn: Callable):
             return
         run = fn(*args)
         if key is not None and callable(run):
+            if len(_sites) >= _MAX_SITES:  # addresses that never repeat: do not grow without end
+                _sites.clear()
             sample = _weight_sample(_np(args[1])) if weighted else None
             _sites[key] = (run, sample, None if sample is None else sample.tobytes())
     kernel.__name__ = kernel.__qualname__ = fn.__name__
