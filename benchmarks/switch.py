@@ -77,7 +77,7 @@ class Side:
         from dspx.host.tasks import Tasks
 
         self.name, self.dev = name, dev
-        self.clients = [Client(dev.path, staging_size=1 << 20, timeout=60) for _ in range(2)]
+        self.clients = [Client(dev.path, staging_size=1 << 20, timeout=300) for _ in range(2)]  # first load imports TVM
         self.tasks = [Tasks(c) for c in self.clients]
         self.lib, _ = self.tasks[0].load_ops(NOOP)
         with warnings.catch_warnings():

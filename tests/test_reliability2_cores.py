@@ -174,19 +174,13 @@ def test_a_module_constructor_with_no_imports_never_gets_to_act(dev, tmp_path, a
     assert {p.pid for p in psutil.Process(dev.proc.pid).children()} == cores
 
 
-def test_the_core_refuses_exec_and_sockets_to_op_library_code(dev):
+def test_the_core_refuses_sockets_to_op_library_code(dev):
     """Past the import check (op libraries are trusted code), the core's own
-    filter still refuses exec and new sockets: EPERM in the handler."""
+    filter still refuses new sockets: EPERM in the handler.  (Exec ends the
+    core, new files are refused: tests/test_reliability2_sandbox.py.)"""
     src = textwrap.dedent("""
         from numpy.f2py import os  # an escape from the import check
         from dspx.device.core import runtime as rt
-
-        @rt.register_op(0x3F01)
-        def try_exec(inp, out, tm):
-            try:
-                os.execv("/bin/true", ["true"])
-            except OSError as e:
-                return e.errno
 
         @rt.register_op(0x3F02)
         def try_socket(inp, out, tm):
@@ -201,7 +195,6 @@ def test_the_core_refuses_exec_and_sockets_to_op_library_code(dev):
     with Tasks(socket=dev.path) as u:
         h, _ = u.load_ops(src)
         try:
-            assert u.run(0x3F01, u.malloc(4), u.malloc(4)).return_value == 1  # EPERM
-            assert u.run(0x3F02, u.malloc(4), u.malloc(4)).return_value == 1
+            assert u.run(0x3F02, u.malloc(4), u.malloc(4)).return_value == 1  # EPERM
         finally:
             u.unload_ops(h)

@@ -56,6 +56,7 @@ class CoreWorker:
         self.models: dict[int, object] = {}
         self._ops = None
         self._running_job = None  # id of the job being run, the only thing an abort may interrupt
+        self.planner = None  # planner.Planner once the sandbox is on
 
     def _on_abort(self, signum, frame) -> None:
         # The front signals only while it believes one of our jobs runs;
@@ -78,6 +79,8 @@ class CoreWorker:
         """Register the firmware kernel library (once) and list its names."""
         if not hasattr(self, "_kernels"):
             from . import kernels
+            if self.planner is not None:
+                kernels.optimize_model = self.planner.optimize
             kernels.configure_threads(self.threads or os.cpu_count() or 1)
             kernels.register_all()
             self._kernels = kernels.names()
@@ -329,16 +332,18 @@ class CoreWorker:
         if wake:  # the front has work queued behind this call
             jobs.send(self.ep, jobs.Done(rec.job, int(status), seq=rec.seq))
 
-    @staticmethod
-    def _contain() -> None:
+    def _contain(self) -> None:
         """Drop what no job needs before the first one (sandbox.install_core):
-        the SDK shim is built and loaded now, while exec is still allowed."""
+        the SDK shim is built and loaded now, while exec is still allowed, and
+        the planner (the kernel library's one use of files) forked."""
         if not sandbox.enabled():
             return
-        from . import native
+        from . import native, planner
         native.shim()
+        self.planner = planner.Planner()
+        sys.dont_write_bytecode = True  # imports after this read .pyc files, never write them
         try:
-            sandbox.install_core()
+            sandbox.install_core(log_only=sandbox.log_only())
         except OSError as e:
             from ...log import setup  # the host's logging setup, level from $DSPX_LOG_LEVEL
             setup(prefix="dspx-core").warning("seccomp filter not installed (%s); running without it", e)
@@ -444,6 +449,9 @@ def main(argv=None) -> None:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TVM_NUM_THREADS"):
             os.environ.setdefault(var, str(a.threads))
     _die_with_parent()
+    # onnxruntime's telemetry keeps a database under ~/.cache/Microsoft (and
+    # would send it): a core creates no files and opens no sockets.
+    os.environ["ORT_DISABLE_TELEMETRY"] = "1"
     from ... import trace  # DSPX_TRACE: record this core's timeline (docs/profiling.md)
     trace.install_core(a.index)
     # Ctrl-C reaches the whole process group: the front decides when cores stop.

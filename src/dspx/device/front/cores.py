@@ -20,8 +20,9 @@ from .. import jobs
 
 
 # Jobs that map a connection's buffers or run user code (a library's top
-# level, a module's constructor): the core holds only their owner's buffers.
-OWNED_JOBS = (jobs.Call, jobs.LoadModule, jobs.LoadWeights, jobs.LoadOps)
+# level, a module's constructors and destructors): the core holds only their
+# owner's buffers.
+OWNED_JOBS = (jobs.Call, jobs.LoadModule, jobs.UnloadModule, jobs.LoadWeights, jobs.LoadOps)
 
 
 class CoreProc:
@@ -84,6 +85,15 @@ class CoreProc:
             self.known_bufs.clear()
             self.plans.clear()
         self.bufs_owner = owner
+
+    def drop_owner(self, rec) -> None:
+        """``rec`` goes to the core outside the job queue (a Notify: an
+        unload that runs a module's destructors): it drops every buffer first."""
+        if isinstance(rec, OWNED_JOBS):
+            rec.drop_bufs = True
+            self.known_bufs.clear()
+            self.plans.clear()
+            self.bufs_owner = None
 
     def finished(self) -> bool:
         """Whether the running Call has ended with SUCCESS (the status page says so)."""

@@ -494,6 +494,7 @@ class Service:
                 targets = self.cores if a.core is None else [self.cores[a.core]]
                 for c in targets:
                     if c.ready and (a.generation is None or c.generation == a.generation):
+                        c.drop_owner(a.rec)
                         self._send_core(c, a.rec)
             elif isinstance(a, _To):
                 if not a.conn.closed:
