@@ -250,3 +250,17 @@ def test_rewrite_rejects_bad_arguments():
 def test_detect_target_names_this_cpu():
     t = kernel_rewrite.detect_target(2)
     assert t.attrs["num-cores"] == 2 and str(t.attrs["mcpu"]) not in ("", "generic")
+
+
+def test_whole_image_average_pool_is_the_blocked_global_pool():
+    """An AveragePool whose window is the whole image (light ResNet-50's 7x7)
+    becomes global_avg_pool2d, so the conv before it hands its output over
+    blocked (no reorder); the result still matches onnxruntime."""
+    inits = {"w": r(32, 16, 3, 3, scale=0.1)}
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("AveragePool", ["c"], ["y"], kernel_shape=[7, 7])]
+    m = make_model(nodes, [vi("x", [1, 16, 7, 7])], [vi("y", [1, 32, 1, 1])], inits)
+    imports = run_both(m, {"x": r(1, 16, 7, 7)})
+    assert imports == ["dspx.kernels.conv2d", "dspx.kernels.global_avg_pool2d"]
+    mod, _ = kernel_rewrite.rewrite(from_onnx(m, keep_params_in_input=False), TARGET, schedule=False)
+    assert f", {kernel_rewrite.OUT_BLOCKED}, 0)" in mod["main"].script()  # conv: layout code, act

@@ -305,6 +305,12 @@ class _Matcher:
                       _shape_arg(a.dilation), _i(bool(a.ceil_mode))]
             if op == "relax.nn.max_pool2d":
                 return _Plan(PREFIX + "max_pool2d", [x] + common + [layout])
+            xs = _shape(x)
+            hw = None if xs is None or len(xs) != 4 else (xs[2:] if layout == LAYOUT_NCHW else xs[1:3])
+            if hw is not None and _ints(a.pool_size) == hw and not any(pad) and _ints(a.dilation) == [1, 1]:
+                # one window over the whole image (light ResNet-50's AveragePool 7x7):
+                # the global pool takes its input blocked, so the last conv needs no reorder
+                return _Plan(PREFIX + "global_avg_pool2d", [x, layout])
             return _Plan(PREFIX + "avg_pool2d",
                          [x] + common + [_i(bool(a.count_include_pad)), layout])
         if op == "relax.nn.adaptive_avg_pool2d":
