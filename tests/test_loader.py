@@ -417,3 +417,28 @@ def test_ddr_refusal_names_text_data_and_workspace_from_the_segments(good_elf):
                             f"workspace), {need - 1} free")
     assert (e.value.oom_requested, e.value.oom_free, e.value.oom_total) == (need, need - 1, 0)
     loader.load_module(good_elf, ddr_free=need).unload()  # exactly enough
+
+
+def test_a_renamed_dynamic_section_does_not_hide_dt_needed(tmp_path):
+    """The dynamic linker reads PT_DYNAMIC, not a section called .dynamic: a
+    module that renames the section (so a by-name check finds no DT_NEEDED)
+    is refused before anything is mapped, and so is one whose DT_SYMTAB points
+    away from the .dynsym the import check reads."""
+    elf = _gcc_so_linking(tmp_path, f"-L{tmp_path}", "-Wl,--no-as-needed", "-lown")
+    assert elf.count(b".dynamic\x00") == 1
+    with pytest.raises(LoadError) as e:
+        loader.load_module(elf.replace(b".dynamic\x00", b".dynamix\x00"))
+    assert str(e.value) == "module: the .dynamic section is not the PT_DYNAMIC segment the dynamic linker reads"
+
+    from elftools.elf.elffile import ELFFile
+    import io
+    plain = _gcc_so_linking(tmp_path)
+    f = ELFFile(io.BytesIO(plain))
+    dynsym = f.get_section_by_name(".dynsym")
+    # move the section header's idea of .dynsym by one entry: the linker still reads DT_SYMTAB
+    hdr = f["e_shoff"] + f.get_section_index(".dynsym") * f["e_shentsize"]
+    moved = bytearray(plain)
+    moved[hdr + 16:hdr + 24] = (dynsym["sh_addr"] + 24).to_bytes(8, "little")
+    with pytest.raises(LoadError) as e:
+        loader.load_module(bytes(moved))
+    assert str(e.value) == f"module: DT_SYMTAB 0x{dynsym['sh_addr']:x} is not the .dynsym section"

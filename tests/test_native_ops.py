@@ -394,6 +394,11 @@ def test_a_custom_dt_init_and_extra_needed_libraries_are_refused(tmp_path):
     with pytest.raises(OpSymbolError) as ei:
         ops.OpRegistry().load_library(lib, "needed.so")
     assert ei.value.symbol == "libz.so.1"
+    # the dynamic linker reads PT_DYNAMIC: renaming the .dynamic section does not hide libz from the check
+    assert lib.count(b".dynamic\x00") == 1
+    with pytest.raises(OpLoadError) as ei:
+        ops.OpRegistry().load_library(lib.replace(b".dynamic\x00", b".dynamix\x00"), "renamed.so")
+    assert str(ei.value) == "renamed.so: the .dynamic section is not the PT_DYNAMIC segment the dynamic linker reads"
 
 
 def test_elf_identity_is_checked(tmp_path, sdk_ops):

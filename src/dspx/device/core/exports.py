@@ -63,6 +63,31 @@ def check_imports(undefined_names: Iterable[str]) -> str | None:
 ALLOWED_NEEDED: frozenset[str] = frozenset({"libc.so.6", "libm.so.6", "libgcc_s.so.1", "libstdc++.so.6"})
 
 
+def linker_tags(elf, what: str, error=None) -> list[tuple[str, str | None]]:
+    """(d_tag, needed name or None) of the dynamic segment the dynamic linker
+    reads (PT_DYNAMIC), after checking that the section table's ``.dynamic``,
+    ``.dynsym`` and ``.dynstr`` are the same bytes the segment points at.
+    Checks that read sections by name alone are blind to a module that
+    renames ``.dynamic`` (its DT_NEEDED then goes unseen) or points
+    DT_SYMTAB / DT_STRTAB somewhere else (its imports then go unseen)."""
+    if error is None:
+        from .errors import LoadError as error
+    segs = list(elf.iter_segments("PT_DYNAMIC"))
+    if len(segs) != 1:
+        raise error(f"{what} has {len(segs)} PT_DYNAMIC segments; a shared object has exactly one")
+    seg = segs[0]
+    dyn = elf.get_section_by_name(".dynamic")
+    if dyn is None or dyn["sh_offset"] != seg["p_offset"] or dyn["sh_size"] != seg["p_filesz"]:
+        raise error(f"{what}: the .dynamic section is not the PT_DYNAMIC segment the dynamic linker reads")
+    tags = list(seg.iter_tags())
+    table = {t.entry.d_tag: t.entry.d_val for t in tags}
+    for tag, name in (("DT_SYMTAB", ".dynsym"), ("DT_STRTAB", ".dynstr")):
+        sec = elf.get_section_by_name(name)
+        if tag in table and (sec is None or sec["sh_addr"] != table[tag]):
+            raise error(f"{what}: {tag} 0x{table[tag]:x} is not the {name} section")
+    return [(t.entry.d_tag, getattr(t, "needed", None)) for t in tags]
+
+
 def check_libraries(tags, what: str) -> None:
     """Refuse DT_NEEDED outside ALLOWED_NEEDED (SymbolError, naming it) and
     any DT_RPATH / DT_RUNPATH (LoadError): an allowed name looked up in a

@@ -24,7 +24,7 @@ from tvm import relax
 
 from dspx.abi import modformat as fmt
 from dspx.device.core.errors import CallError, LoadError, NoMemError, SymbolError, TensorError, WeightsError
-from dspx.device.core.exports import check_imports, check_libraries
+from dspx.device.core.exports import check_imports, check_libraries, linker_tags
 from dspx.abi.protocol import IoMeta
 
 # A TVM-exported library carries its module tree (the Relax VM executable and
@@ -90,8 +90,6 @@ def _inspect(stream, buf: memoryview, kernel_names) -> ElfInfo:
         machine, etype = elf["e_machine"], elf["e_type"]
         segments = [(seg["p_flags"], seg["p_memsz"]) for seg in elf.iter_segments("PT_LOAD")]
         dynsym = elf.get_section_by_name(".dynsym")
-        dyn = elf.get_section_by_name(".dynamic")
-        tags = [(t.entry.d_tag, getattr(t, "needed", None)) for t in dyn.iter_tags()] if dyn is not None else []
         symbols, undefined = {}, []
         for sym in dynsym.iter_symbols() if dynsym is not None else ():
             if sym.name and sym["st_shndx"] == "SHN_UNDEF":
@@ -106,6 +104,12 @@ def _inspect(stream, buf: memoryview, kernel_names) -> ElfInfo:
         raise LoadError(f"ELF type {etype}, a loadable module is a shared object (ET_DYN)")
     if dynsym is None:
         raise LoadError("ELF has no dynamic symbol table (.dynsym)")
+    try:
+        tags = linker_tags(elf, "module")
+    except LoadError:
+        raise
+    except Exception as e:
+        raise LoadError(f"malformed ELF: {type(e).__name__}: {e}") from None
     bad = check_imports(undefined)
     if bad is not None:
         raise SymbolError(bad, f"module imports {bad!r}, which the firmware does not export")

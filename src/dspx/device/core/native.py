@@ -36,7 +36,7 @@ from elftools.elf.elffile import ELFFile
 from ...abi.protocol import Status
 from . import probe
 from .errors import OpLoadError, OpSymbolError
-from .exports import ALLOWED_NEEDED
+from .exports import ALLOWED_NEEDED, linker_tags
 from .native_exports import check_imports
 
 ELF_MAGIC = b"\x7fELF"
@@ -140,10 +140,6 @@ def check(data: bytes, filename: str = "<oplib>") -> dict[int, set[str]]:
                 undefined.append(sym.name)
             else:
                 defined.add(sym.name)
-        dyn = elf.get_section_by_name(".dynamic")
-        needed = [t.needed for t in dyn.iter_tags("DT_NEEDED")] if dyn is not None else []
-        paths = [t.entry.d_tag for t in dyn.iter_tags() if t.entry.d_tag in ("DT_RPATH", "DT_RUNPATH")] \
-            if dyn is not None else []
         functions = _functions(elf)
         if machine == "EM_X86_64" and etype == "ET_DYN" and not interp:
             _check_init(elf, filename, functions)
@@ -159,6 +155,14 @@ def check(data: bytes, filename: str = "<oplib>") -> dict[int, set[str]]:
         raise OpLoadError(f"{filename}: an executable (it has PT_INTERP), not a shared library")
     if dynsym is None:
         raise OpLoadError(f"{filename}: no dynamic symbol table (.dynsym)")
+    try:
+        tags = linker_tags(elf, filename, OpLoadError)
+    except OpLoadError:
+        raise
+    except Exception as e:
+        raise OpLoadError(f"{filename}: malformed ELF: {type(e).__name__}: {e}") from None
+    needed = [name for tag, name in tags if tag == "DT_NEEDED"]
+    paths = [tag for tag, _ in tags if tag in ("DT_RPATH", "DT_RUNPATH")]
     bad = check_imports(undefined)
     if bad is not None:
         raise OpSymbolError(bad, f"{filename}: imports {bad!r}, which is not in the op export table "
