@@ -56,6 +56,7 @@ class CoreWorker:
         self.models: dict[int, object] = {}
         self._ops = None
         self._running_job = None  # id of the job being run, the only thing an abort may interrupt
+        self._aborted = None  # (job, status) of the last abort signalled
         self.planner = None  # planner.Planner once the sandbox is on
 
     def _on_abort(self, signum, frame) -> None:
@@ -63,9 +64,19 @@ class CoreWorker:
         # between jobs (or during internal messages) it is ignored.
         if self._running_job is not None:
             job, self._running_job = self._running_job, None
+            status = Status.ERR_TIMEOUT if signum == signal.SIGUSR2 else Status.ERR_CALL
+            # remembered apart: raised inside TVM or a kernel, the exception reaches
+            # the job wrapped (the FFI turns it into a CallError), and its status with it
+            self._aborted = (job, status)
             if signum == signal.SIGUSR2:
-                raise JobAborted(f"job {job} ran past its time limit and was stopped", Status.ERR_TIMEOUT)
-            raise JobAborted(f"job {job} aborted: the connection that submitted it closed", Status.ERR_CALL)
+                raise JobAborted(f"job {job} ran past its time limit and was stopped", status)
+            raise JobAborted(f"job {job} aborted: the connection that submitted it closed", status)
+
+    def _abort_status(self, job: int, status: int) -> int:
+        """The abort's status for a job that failed after the front stopped it."""
+        if status != Status.SUCCESS and self._aborted is not None and self._aborted[0] == job:
+            return self._aborted[1]
+        return status
 
     # ---------------------------------------------------------------- lazies
     @property
@@ -308,6 +319,7 @@ class CoreWorker:
             if status == Status.ERR_GENERIC:
                 error += "\n" + traceback.format_exc()
             error = clip(error)
+        status = self._abort_status(rec.job, status)
         if resp is None:
             req_type = P.MsgType.RPC if isinstance(spec, jobs.RpcSpec) else (
                 spec.resp_type & ~P.RESPONSE_BIT if spec is not None else P.MsgType.INFER)
@@ -389,7 +401,7 @@ class CoreWorker:
                 if isinstance(e, SystemExit):  # user code tried to end the core
                     status = Status.ERR_LOAD if isinstance(rec, (jobs.LoadModule, jobs.LoadOps)) else Status.ERR_CALL
                     e = RuntimeError(f"{type(rec).__name__} code raised SystemExit({e.code!r}); the core keeps running")
-                done.status = int(status)
+                done.status = int(self._abort_status(rec.job, status))
                 done.error = f"{type(e).__name__}: {e}" if status == Status.ERR_GENERIC else str(e)
                 if status == Status.ERR_GENERIC:
                     done.error += "\n" + traceback.format_exc()
