@@ -73,7 +73,7 @@ class CoreWorker:
             raise JobAborted(f"job {job} aborted: the connection that submitted it closed", status)
 
     def _abort_status(self, job: int, status: int) -> int:
-        """The abort's status for a job that failed after the front stopped it."""
+        """The abort's status for a call (INFER, RPC) that failed after the front stopped it."""
         if status != Status.SUCCESS and self._aborted is not None and self._aborted[0] == job:
             return self._aborted[1]
         return status
@@ -401,7 +401,7 @@ class CoreWorker:
                 if isinstance(e, SystemExit):  # user code tried to end the core
                     status = Status.ERR_LOAD if isinstance(rec, (jobs.LoadModule, jobs.LoadOps)) else Status.ERR_CALL
                     e = RuntimeError(f"{type(rec).__name__} code raised SystemExit({e.code!r}); the core keeps running")
-                done.status = int(self._abort_status(rec.job, status))
+                done.status = int(status)  # a load stopped at its limit stays ERR_LOAD, naming the limit
                 done.error = f"{type(e).__name__}: {e}" if status == Status.ERR_GENERIC else str(e)
                 if status == Status.ERR_GENERIC:
                     done.error += "\n" + traceback.format_exc()
