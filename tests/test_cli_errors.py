@@ -119,8 +119,11 @@ def test_missing_extra_names_the_extra_in_json(files, dev, tmp_path):
 
 
 def test_ctrl_c_exits_130_without_a_traceback(dev):
+    # SIGINT back to its default in the child: a suite started in the background by a
+    # non-interactive shell inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
     p = subprocess.Popen([*DSPX, "ping", "-c", "100000000", "--socket", dev.path], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 30
         while not _connections(dev) and time.monotonic() < deadline:  # pinging: its connection is open
