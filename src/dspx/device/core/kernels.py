@@ -270,7 +270,7 @@ class _OrtOp:
     """
 
     def __init__(self, nodes, inputs: list[tuple[str, tuple]], out: tuple[str, tuple],
-                 inits: dict[str, np.ndarray], opset: int = 17, threads: int | None = None):
+                 inits: dict[str, np.ndarray], opset: int = 17, threads: int | None = None, domains=()):
         import onnxruntime as ort
         from onnx import TensorProto, helper, numpy_helper
 
@@ -279,12 +279,14 @@ class _OrtOp:
                          for n, sh in inputs],
             [helper.make_tensor_value_info(out[0], TensorProto.FLOAT, list(out[1]))],
             [numpy_helper.from_array(np.ascontiguousarray(v), k) for k, v in inits.items()])
-        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset),
+                                                *(helper.make_opsetid(d, v) for d, v in domains)])
         m.ir_version = 8
         self.sess = ort.InferenceSession(m.SerializeToString(), ort_session_options(threads),
                                          providers=["CPUExecutionProvider"])
         self.names = [n for n, _ in inputs]
         self.out = out[0]
+        self._runs = {}  # input/output addresses -> the run bound to them
 
     def __call__(self, arrays: list[np.ndarray], out: np.ndarray) -> Callable[[], None]:
         """Run on these arrays; returns the run bound to their addresses.
@@ -293,7 +295,7 @@ class _OrtOp:
         call (two in ResNet-18): one IOBinding per address set, so no call
         rebinds (~10 us each)."""
         ptrs = tuple(_addr(a) for a in arrays) + (_addr(out),)
-        runs = self.__dict__.setdefault("_runs", {})
+        runs = self._runs
         run = runs.get(ptrs)
         if run is None:
             if len(runs) >= 16:
@@ -571,8 +573,7 @@ class _NchwcOp(_OrtOp):
     def __init__(self, main, inits, reorder_in, x_shape, y_shape, channels_out,
                  in_blocked, out_blocked, res_shape=None, res_blocked=False, act=ACT_NONE,
                  threads: int | None = None):
-        import onnxruntime as ort
-        from onnx import TensorProto, helper, numpy_helper
+        from onnx import helper
 
         nodes, feeds = [], [("x", x_shape)]
         xin = "x"
@@ -603,18 +604,8 @@ class _NchwcOp(_OrtOp):
             nodes.append(helper.make_node("ReorderOutput", ["yb"], ["y"],
                                           domain="com.microsoft.nchwc", channels_last=0,
                                           channels=channels_out))
-        g = helper.make_graph(
-            nodes, "k", [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(sh))
-                         for n, sh in feeds],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(y_shape))],
-            [numpy_helper.from_array(v, k) for k, v in inits.items()])
-        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17),
-                                                helper.make_opsetid("com.microsoft.nchwc", 1)])
-        m.ir_version = 8
-        self.sess = ort.InferenceSession(m.SerializeToString(), ort_session_options(threads),
-                                         providers=["CPUExecutionProvider"])
-        self.names = [n for n, _ in feeds]
-        self.out = "y"
+        super().__init__(nodes, feeds, ("y", y_shape), inits, threads=threads,
+                         domains=(("com.microsoft.nchwc", 1),))
 
 
 def _conv_nchwc(x, w, b, res, strides, pads, dil, groups, act, flags, out):

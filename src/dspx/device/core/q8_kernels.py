@@ -20,28 +20,14 @@ from __future__ import annotations
 import numpy as np
 
 from ...abi.kernels import ACT_RELU, LAYOUT_NCHW
-from .kernels import KernelError, _cached, _conv_numpy, _ints, _kernel, _np, _OrtOp, backend, ort_session_options
+from .kernels import KernelError, _cached, _conv_numpy, _ints, _kernel, _np, _OrtOp, backend
 
 _INT32 = np.iinfo(np.int32)
 
 
-class _QOp(_OrtOp):
+def _QOp(nodes, inputs, out, inits) -> _OrtOp:
     """A float-in, float-out onnxruntime graph (int8 inside) bound to the caller's memory."""
-
-    def __init__(self, nodes, inputs, out, inits):
-        import onnxruntime as ort
-        from onnx import TensorProto, helper, numpy_helper
-
-        g = helper.make_graph(
-            nodes, "q8", [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(sh)) for n, sh in inputs],
-            [helper.make_tensor_value_info(out[0], TensorProto.FLOAT, list(out[1]))],
-            [numpy_helper.from_array(np.ascontiguousarray(v), k) for k, v in inits.items()])
-        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-        m.ir_version = 8
-        self.sess = ort.InferenceSession(m.SerializeToString(), ort_session_options(),
-                                         providers=["CPUExecutionProvider"])
-        self.names = [n for n, _ in inputs]
-        self.out = out[0]
+    return _OrtOp(nodes, inputs, out, inits, domains=(("com.microsoft", 1),))
 
 
 def _qparams(scale: float, zero: int, what: str) -> tuple[np.ndarray, np.ndarray]:
