@@ -28,7 +28,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -177,7 +176,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     os.environ.update(_threads_env(a.threads))
     from dspx.compiler import examples
-    from dspx.transport import is_listening
+    from dspx.host.launcher import PrivateDevice
 
     onnx_dir = BUILD / "onnx"
     paths = {}
@@ -187,23 +186,12 @@ def main(argv=None) -> None:
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
               "cpus": os.cpu_count(), "threads": a.threads, "runs": a.runs, "loadavg_start": os.getloadavg(),
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:] if argv is None else argv)}
-    tmp = tempfile.mkdtemp(prefix="dspx-qbench-")
-    sock = os.path.join(tmp, "dsp0.sock")
-    devlog = open(os.path.join(tmp, "device.log"), "w")
-    dev = subprocess.Popen([sys.executable, "-m", "dspx.device", "--socket", sock, "--cores", "1",
-                            "--threads", str(a.threads), "--quiet"], env=_threads_env(a.threads),
-                           stdout=devlog, stderr=devlog)
+    dev = PrivateDevice(cores=1, extra_args=["--threads", a.threads, "--quiet"])  # environment set above
     try:
-        deadline = time.monotonic() + 60
-        while not is_listening(sock):
-            if dev.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"device did not start: {open(devlog.name).read()}")
-            time.sleep(0.05)
         for m, p in paths.items():
-            report[m] = bench(m, p, sock, a)
+            report[m] = bench(m, p, dev.path, a)
     finally:
-        dev.terminate()
-        dev.wait(10)
+        dev.stop()
     report["loadavg_end"] = os.getloadavg()
 
     RESULTS.mkdir(parents=True, exist_ok=True)
