@@ -81,19 +81,21 @@ class CoreProc:
             return
         owner = job.conn.cid if job.conn is not None else None
         if owner != self.bufs_owner and (self.known_bufs or self.plans):
-            job.rec.drop_bufs = True
-            self.known_bufs.clear()
-            self.plans.clear()
+            self._drop_bufs(job.rec)
         self.bufs_owner = owner
 
     def drop_owner(self, rec) -> None:
         """``rec`` goes to the core outside the job queue (a Notify: an
         unload that runs a module's destructors): it drops every buffer first."""
         if isinstance(rec, OWNED_JOBS):
-            rec.drop_bufs = True
-            self.known_bufs.clear()
-            self.plans.clear()
+            self._drop_bufs(rec)
             self.bufs_owner = None
+
+    def _drop_bufs(self, rec) -> None:
+        """``rec`` tells the core to unmap every buffer and drop every plan; the front forgets them too."""
+        rec.drop_bufs = True
+        self.known_bufs.clear()
+        self.plans.clear()
 
     def finished(self) -> bool:
         """Whether the running Call has ended with SUCCESS (the status page says so)."""
