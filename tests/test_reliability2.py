@@ -620,3 +620,37 @@ def test_a_call_stopped_inside_a_kernel_callback_answers_err_timeout():
     finally:
         a.close()
         b.close()
+
+
+def test_a_load_aborted_in_the_middle_of_an_import_restarts_its_core_and_later_loads_work(compiled):
+    """A client that dies while its load has the core importing torch (the
+    kernel library's first load) leaves that import torn; the core ends
+    itself instead of failing every later load, and the front restarts it."""
+    so = next(compiled("multi_output").glob("*.so"))
+    d = Device("--carveout-size", "64M", "--ddr-pool-size", "64M", "--cores", "1")
+    try:
+        (core,) = children(d)
+        loader = subprocess.Popen([sys.executable, "-c", "import sys; from dspx.host.client import Client; "
+                                   "Client(socket=sys.argv[1]).load_module(open(sys.argv[2], 'rb').read())",
+                                   d.path, str(so)])
+        deadline = time.monotonic() + 60
+        while "libtorch_cpu" not in open(f"/proc/{core}/maps").read():  # the import has begun
+            assert time.monotonic() < deadline and loader.poll() is None, "the core never began importing torch"
+            time.sleep(0.005)
+        loader.kill()
+        loader.wait(10)
+        deadline = time.monotonic() + 30
+        while "core 0 died" not in d.output():
+            assert time.monotonic() < deadline, d.output()
+            time.sleep(0.05)
+        # The abort lands in Python code of the import (the core ends itself),
+        # or in C code that outlasts the abort's grace (the front kills it).
+        log = d.output()
+        assert (re.search(r"stopped while importing \S+; ending this core", log) and "died (exit 75)" in log
+                or "did not stop within" in log and "died (exit -9)" in log), log
+        with Client(socket=d.path) as c:
+            m = c.load_module(so.read_bytes())  # a fresh core imports everything again
+            assert m.handle
+        assert core not in children(d), d.output()
+    finally:
+        d.stop()

@@ -32,6 +32,7 @@ from .ops import clip
 LOAD_PROBE_ENV = "DSPX_LOAD_PROBE"
 LOAD_PROBE_TIMEOUT_S = 30
 _DONTWAIT = int(socket.MSG_DONTWAIT)
+EXIT_TORN_IMPORT = 75  # the core ended itself: an abort cut an import short (EX_TEMPFAIL)
 
 
 class JobAborted(Exception):
@@ -68,6 +69,16 @@ class CoreWorker:
             # remembered apart: raised inside TVM or a kernel, the exception reaches
             # the job wrapped (the FFI turns it into a CallError), and its status with it
             self._aborted = (job, status)
+            torn = _importing(frame)
+            if torn:
+                # Stopped inside an import, the package stays half-initialized
+                # (its submodules in sys.modules, torch's C state registered):
+                # every later import of it fails.  End the core instead; the
+                # front fails the job with the abort's reason, restarts the
+                # core and reloads its modules.
+                os.write(2, f"dspx-core {self.index}: job {job} was stopped while importing {torn}; "
+                            f"ending this core so that it restarts clean\n".encode())
+                os._exit(EXIT_TORN_IMPORT)
             if signum == signal.SIGUSR2:
                 raise JobAborted(f"job {job} ran past its time limit and was stopped", status)
             raise JobAborted(f"job {job} aborted: the connection that submitted it closed", status)
@@ -418,6 +429,16 @@ class CoreWorker:
         except jobs.RecordTooLarge as e:
             jobs.send(self.ep, jobs.Done(done.job, int(Status.ERR_GENERIC), f"the result could not be reported: {e}",
                                          done.seq))
+
+
+def _importing(frame) -> str:
+    """The outermost module an import statement on this stack is loading, or ""."""
+    name = ""
+    while frame is not None:
+        if frame.f_code.co_name == "_find_and_load" and frame.f_code.co_filename == "<frozen importlib._bootstrap>":
+            name = str(frame.f_locals.get("name", "?"))
+        frame = frame.f_back
+    return name
 
 
 def _blank(mm: mmap.mmap) -> None:
