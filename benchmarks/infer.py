@@ -303,11 +303,11 @@ def call_path(sock: str, module: Path, runs: int, batch: int = 25) -> dict:
 
 
 class Worker:
-    def __init__(self, kind: str, target, threads: int):
+    def __init__(self, kind: str, target, threads: int, extra_env: dict | None = None):
         self.kind = kind
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--target", str(target),
                                       "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=_threads_env(threads), text=True)
+                                     env={**_threads_env(threads), **(extra_env or {})}, text=True)
         first = json.loads(self.proc.stdout.readline())
         self.out = first["out"]
 
@@ -408,12 +408,13 @@ def summarize(times: list[float]) -> dict:
             "n": len(ms)}
 
 
-def compile_module(onnx: Path, out: Path, kernels: bool, threads: int, target: str = "native") -> dict:
+def compile_module(onnx: Path, out: Path, kernels: bool, threads: int, target: str = "native",
+                   extra_env: dict | None = None) -> dict:
     cmd = [sys.executable, "-m", "dspx.cli", "compile", str(onnx), "-o", str(out), "--json", "--target", target]
     if not kernels:
         cmd.append("--no-kernels")
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_threads_env(threads))
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**_threads_env(threads), **(extra_env or {})})
     wall = time.perf_counter() - t0
     if p.returncode:
         raise SystemExit(f"compile failed: {p.stdout}\n{p.stderr}")

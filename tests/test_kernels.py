@@ -427,7 +427,9 @@ def test_kv_update_copy_and_in_place():
 def test_registry_documents_every_kernel():
     assert K.names() == set(K.KERNELS)
     for name, spec in K.KERNELS.items():
-        assert name.startswith(K.PREFIX) and spec.doc and spec.outputs == ("out",)
+        # one output each, but the subgraph kernel: its graph's outputs, however many
+        assert name.startswith(K.PREFIX) and spec.doc
+        assert spec.outputs == ("out",) or (name == K.PREFIX + "onnx_subgraph" and spec.outputs == ("outputs...",))
         assert tvm.get_global_func(name) is not None
 
 

@@ -78,7 +78,23 @@ KERNELS: dict[str, KernelABI] = {
     "conv2d_add_q8": _abi("data weight bias residual wscale",
                           "strides padding dilation groups layout act in_scale in_zero out_scale out_zero"),
     "dense_q8": _abi("data weight bias wscale", "trans_b act in_scale in_zero"),
+    # a whole run of operators in one call (dspx.compiler.subgraph): ``graph`` is a uint8
+    # tensor holding a serialized ONNX model; ``inputs...`` are its graph inputs in order
+    # (data first, then the SUBGRAPH_WEIGHTS_KEY last ones: weights), ``outputs...`` its
+    # graph outputs in order; no attributes, the counts are the graph's own
+    "onnx_subgraph": _abi("graph inputs...", "", "outputs..."),
 }
+
+#: the operators an onnx_subgraph graph may hold (default ONNX domain, float32 activations):
+#: what both the compiler's partition and the device's check accept
+SUBGRAPH_OPS = frozenset({
+    "Conv", "Relu", "Add", "Sub", "Mul", "Div", "MaxPool", "AveragePool", "GlobalAveragePool",
+    "GlobalMaxPool", "Flatten", "Gemm", "MatMul", "Reshape", "Transpose", "Concat", "Split", "Clip",
+    "Sigmoid", "HardSigmoid", "HardSwish", "LeakyRelu", "PRelu", "Tanh", "Softmax",
+    "BatchNormalization", "Identity", "Constant", "Squeeze", "Unsqueeze", "Pad", "LRN"})
+#: metadata_props key of an onnx_subgraph graph: how many of its last inputs are weights
+#: (constant per module; the device bakes them into its session once, prepacked)
+SUBGRAPH_WEIGHTS_KEY = "dspx.num_weights"
 
 #: which argument positions of a kernel may take a blocked tensor, and the flag that says so
 BLOCKED_ARGS: dict[str, dict[int, int]] = {

@@ -17,6 +17,7 @@ from dspx.compiler.checks import (CompileError, apply_shapes, fold_batchnorm, im
 from dspx.compiler.module import (IO_META_NAME, METADATA_FILE, MODULE_FILE, SIGNATURE_NAME, WEIGHTS_FILE,
                                   Signature, TensorSpec, export_module, make_io_meta, write_metadata,
                                   write_weights)
+from dspx.abi.kernels import PREFIX
 from dspx.compiler.weights import MIN_WEIGHT_ELEMENTS, rebuild_graph
 
 
@@ -254,7 +255,7 @@ def _rewrite_kernels(mod, target, blocked: bool = True) -> tuple[object, list[st
 def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bool = True,
                  progress: bool = True, *, target: str | None = None, verify: bool = True,
                  shapes: dict | None = None, dims: dict | None = None, weights: str = "float32",
-                 verifier=None, quantize: str | None = None, calibrate=None) -> dict:
+                 verifier=None, quantize: str | None = None, calibrate=None, subgraph: bool | None = None) -> dict:
     """Compile an ONNX model into ``outdir``; returns the metadata written to
     ``outdir/metadata.json`` (plus ``"timings"`` in seconds per stage).
 
@@ -268,6 +269,9 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
     verifier: a dspx.compiler.verify.Verifier to reuse across compiles.
     quantize / calibrate: "int8" and the .npz of calibration inputs: int8
         post-training quantization (dspx.compiler.quantize, docs/quantize.md).
+    subgraph: hand the longest supported prefix of the graph to one
+        onnx_subgraph kernel call (dspx.compiler.subgraph; default off unless
+        DSPX_SUBGRAPH=1; float32 weights with kernels only).
     """
     import tvm
     from tvm import relax
@@ -292,15 +296,23 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
         rewrite_prelu(model)
         fold_batchnorm(model)
         sum_to_add(model)
-        if separate_weights:
-            model = _split_weights(model)
-        model, _ = reduce_weights(model, weights)
-        mod, model = _import(model, separate_weights)
+        part = _partition(model, subgraph, kernels and weights == "float32" and not quantize)
+        if part is not None:
+            from dspx.compiler.subgraph import build_module
+
+            def import_rest(rest):
+                return _import(_split_weights(rest) if separate_weights else rest, separate_weights)[0]
+            mod = build_module(part, separate_weights, import_rest)
+        else:
+            if separate_weights:
+                model = _split_weights(model)
+            model, _ = reduce_weights(model, weights)
+            mod, model = _import(model, separate_weights)
         params = []
         if separate_weights:
             mod, detached = relax.frontend.detach_params(mod)
             params = detached.get("main", [])
-        imported = mod
+        imported = mod if part is None else None  # TVM's reference cannot run the subgraph kernel
         func = mod["main"]
         num_inputs = len(func.params) - len(params)
         inputs, outputs = _io_specs(model, func, num_inputs)
@@ -323,6 +335,8 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
                 mod, imports = _rewrite_kernels(mod, target, blocked=qplan is None)
                 if qplan is not None:  # int8 kernels take plain NCHW tensors
                     mod, imports = qplan.lower(mod)
+                if part is not None:
+                    imports = sorted(set(imports) | {PREFIX + "onnx_subgraph"})
             with target:
                 mod = _pipeline(target, record)(mod)
         except CompileError:
@@ -351,7 +365,9 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
                         target_cpu=target_dict["mcpu"], cpu_features=features)
         io_meta = make_io_meta(inputs, outputs)
         export_module(ex, outdir / MODULE_FILE, {IO_META_NAME: io_meta.encode(), SIGNATURE_NAME: sig.encode()})
-        meta = _metadata(outdir, sig, io_meta, target_dict, tvm.__version__, separate_weights, wreport, None)
+        subgraphs = [part.summary()] if part is not None else []
+        meta = _metadata(outdir, sig, io_meta, target_dict, tvm.__version__, separate_weights, wreport, None,
+                         subgraphs)
     if verify:
         with prog.stage("verify", "verify against a reference"):
             missing = _missing_here(features)
@@ -371,7 +387,7 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
                     report = _verify.verify(outdir, meta, reference.SerializeToString(), imported, params,
                                             verifier=verifier, float32_model=original)
             meta = _metadata(outdir, sig, io_meta, target_dict, tvm.__version__, separate_weights, wreport,
-                             report)
+                             report, subgraphs)
     if qplan is not None:
         meta = qplan.record(outdir, meta)
     meta["timings"] = prog.times
@@ -412,12 +428,32 @@ def _import(model: onnx.ModelProto, params_as_inputs: bool):
             raise first from None
 
 
-def _metadata(outdir, sig, io_meta, target_dict, tvm_version, separate, wreport, report) -> dict:
+def _metadata(outdir, sig, io_meta, target_dict, tvm_version, separate, wreport, report, subgraphs) -> dict:
     meta = write_metadata(outdir / METADATA_FILE, sig, io_meta, target=target_dict, tvm_version=tvm_version,
                           weights_file=WEIGHTS_FILE if separate else None,
                           extra={"cpu_features": sig.cpu_features, "weights_precision": wreport,
-                                 "verify": report})
+                                 "verify": report, "subgraphs": subgraphs})
     return meta
+
+
+def _partition(model: onnx.ModelProto, wanted: bool | None, possible: bool):
+    """The subgraph partition of the model (dspx.compiler.subgraph), or None:
+    not wanted, not possible (no kernels, reduced weights, int8), nothing worth
+    offloading, or onnxruntime refuses the subgraph (then logged, op by op)."""
+    from dspx.compiler import subgraph
+
+    if wanted is None:
+        wanted = subgraph.enabled_by_default()
+    if not (wanted and possible):
+        return None
+    part = subgraph.partition(model)
+    if part is None:
+        return None
+    why = subgraph.check_with_onnxruntime(part)
+    if why is not None:
+        subgraph.log.warning("subgraph not offloaded (onnxruntime refuses it: %s); compiling op by op", why)
+        return None
+    return part
 
 
 def _missing_here(features: list[str]) -> list[str]:

@@ -35,7 +35,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 from ...abi.kernels import (ACT_NONE, ACT_RELU, IN_BLOCKED, KERNELS as ABI, LAYOUT_NCHW, LAYOUT_NHWC,
-                           OUT_BLOCKED, PREFIX, RES_BLOCKED)
+                           OUT_BLOCKED, PREFIX, RES_BLOCKED, SUBGRAPH_OPS, SUBGRAPH_WEIGHTS_KEY)
 
 
 class KernelError(ValueError):
@@ -895,11 +895,13 @@ def matmul(a, b, trans_b, out):
 
 _ort_ready = False
 
-def ort_session_options(threads: int | None = None):
+def ort_session_options(threads: int | None = None, spin: bool = False):
     """SessionOptions for every onnxruntime session of the kernel library.
 
     threads: this session's pool (default: the core's budget); 1 for ops too
     small to pay for waking a second thread.
+    spin: let the pool spin between operators as onnxruntime's own default
+    does (the subgraph kernel: one session runs many operators per call).
 
     Default: a pool per session, sized by configure_threads, with spinning
     off.  onnxruntime's global pool (DSPX_ORT_POOL=global) cannot turn its
@@ -924,15 +926,17 @@ def ort_session_options(threads: int | None = None):
     else:
         so.intra_op_num_threads = threads or _threads
         so.inter_op_num_threads = 1
-        spin = os.environ.get("DSPX_ORT_SPIN_US", "0")
-        if spin.isdigit() and int(spin) > 0:
+        spin_us = os.environ.get("DSPX_ORT_SPIN_US", "0")
+        if spin:
+            so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+        elif spin_us.isdigit() and int(spin_us) > 0:
             # Candidate for idle cores (docs/kernels.md, Threads): a worker that
             # spins this long after its op keeps its vCPU out of halt, so the
             # next kernel's worker wakes fast.  Off by default: under load
             # (12-14) ResNet-18 went 0.83 -> 1.19 (300 us) and 1.77 (1000 us)
             # paired against onnxruntime.
             so.add_session_config_entry("session.intra_op.allow_spinning", "1")
-            so.add_session_config_entry("session.intra_op.spin_duration_us", spin)
+            so.add_session_config_entry("session.intra_op.spin_duration_us", spin_us)
         else:
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.log_severity_level = 3
@@ -961,6 +965,164 @@ def layernorm(data, gamma, beta, eps, out):
     o *= 1.0 / np.sqrt(var + np.float32(eps))
     o *= g
     o += b
+
+
+# ---------------------------------------------------------------- subgraphs
+
+# DSPX_SUBGRAPH_SPIN=0 turns the subgraph session's spinning off (default on,
+# as onnxruntime's own whole-graph session: one pool, woken once per call).
+_SUBGRAPH_SPIN = os.environ.get("DSPX_SUBGRAPH_SPIN", "1") != "0"
+
+
+class _Subgraph:
+    """One onnxruntime session over a module's offloaded ONNX subgraph
+    (dspx.compiler.subgraph): the weights baked in as initializers once (so
+    onnxruntime prepacks them), data and outputs bound in place."""
+
+    def __init__(self, graph: np.ndarray, inputs: list[np.ndarray], n_out: int):
+        import onnx
+        import onnxruntime as ort
+        from onnx import numpy_helper
+
+        try:
+            m = onnx.ModelProto.FromString(graph.tobytes())
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
+            raise KernelError(f"onnx_subgraph: graph is not a serialized ONNX model ({e})") from None
+        g = m.graph
+        _check_subgraph(m)
+        meta = {p.key: p.value for p in m.metadata_props}
+        n_w = meta.get(SUBGRAPH_WEIGHTS_KEY, "0")
+        if not n_w.isdigit() or int(n_w) > len(g.input):
+            raise KernelError(f"onnx_subgraph: {SUBGRAPH_WEIGHTS_KEY}={n_w!r} is not a count of the graph's "
+                              f"{len(g.input)} inputs")
+        n_w = int(n_w)
+        if len(inputs) != len(g.input) or n_out != len(g.output):
+            raise KernelError(f"onnx_subgraph: the graph has {len(g.input)} inputs and {len(g.output)} outputs, "
+                              f"the call passes {len(inputs)} inputs and {n_out} outputs")
+        for vi, a in zip(g.input, inputs):
+            _check_value(vi, a, "input")
+        weights = list(zip(g.input[len(g.input) - n_w:], inputs[len(inputs) - n_w:]))
+        for vi, w in weights:
+            g.initializer.append(numpy_helper.from_array(w, vi.name))
+        data = list(g.input[:len(g.input) - n_w])
+        del g.input[:]
+        g.input.extend(data)
+        self.names = [vi.name for vi in data]
+        self.outs = [vi.name for vi in g.output]
+        self.out_types = list(g.output)
+        try:
+            self.sess = ort.InferenceSession(m.SerializeToString(), ort_session_options(spin=_SUBGRAPH_SPIN),
+                                             providers=["CPUExecutionProvider"])
+        except Exception as e:  # noqa: BLE001 - onnxruntime refuses the graph
+            raise KernelError(f"onnx_subgraph: onnxruntime cannot build the graph: {str(e).splitlines()[0][:300]}") \
+                from None
+        self.nodes = len(g.node)
+
+    def bind(self, data: list[np.ndarray], outs: list[np.ndarray]) -> Callable[[], None]:
+        for vi, o in zip(self.out_types, outs):
+            _check_value(vi, o, "output")
+        io = self.sess.io_binding()
+        for name, a in zip(self.names, data):
+            io.bind_input(name, "cpu", 0, np.float32, list(a.shape), _addr(a))
+        for name, o in zip(self.outs, outs):
+            io.bind_output(name, "cpu", 0, np.float32, list(o.shape), _addr(o))
+        return _bound_run(self.sess, io)
+
+
+def _check_subgraph(m) -> None:
+    """Refuse what the firmware does not run: other operator domains, operators
+    outside SUBGRAPH_OPS, nested graphs, external data (a path on the device)."""
+    from onnx import AttributeProto, TensorProto
+
+    for op in m.opset_import:
+        if op.domain not in ("", "ai.onnx"):
+            raise KernelError(f"onnx_subgraph: operator domain {op.domain!r} is not the firmware's "
+                              "(default ONNX domain only)")
+    if len(m.functions):
+        raise KernelError("onnx_subgraph: the graph defines model-local functions; the firmware runs "
+                          "plain operators only")
+    g = m.graph
+    tensors = list(g.initializer)
+    for node in g.node:
+        if node.domain not in ("", "ai.onnx") or node.op_type not in SUBGRAPH_OPS:
+            raise KernelError(f"onnx_subgraph: node {node.name or node.op_type!r} is {node.domain or 'ai.onnx'}."
+                              f"{node.op_type}, not an operator the firmware runs in a subgraph")
+        for a in node.attribute:
+            if a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS):
+                raise KernelError(f"onnx_subgraph: node {node.name!r} holds a nested graph")
+            if a.type == AttributeProto.TENSOR:
+                tensors.append(a.t)
+    for t in tensors:
+        if t.data_location == TensorProto.EXTERNAL or len(t.external_data):
+            raise KernelError(f"onnx_subgraph: tensor {t.name!r} refers to external data; weights travel as "
+                              "kernel inputs")
+
+
+def _check_value(vi, a: np.ndarray, kind: str) -> None:
+    from onnx import TensorProto
+
+    tt = vi.type.tensor_type
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim]
+    if tt.elem_type != TensorProto.FLOAT or a.dtype != np.float32:
+        raise KernelError(f"onnx_subgraph: {kind} {vi.name!r} must be float32 in the graph and the call "
+                          f"(got {TensorProto.DataType.Name(tt.elem_type)} and {a.dtype})")
+    if dims != list(a.shape):
+        raise KernelError(f"onnx_subgraph: {kind} {vi.name!r} is {dims} in the graph, the call passes "
+                          f"{list(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise KernelError(f"onnx_subgraph: {kind} {vi.name!r} must be contiguous")
+
+
+def onnx_subgraph(*args):
+    """A run of operators in one call: ``graph`` (uint8, a serialized ONNX
+    model of SUBGRAPH_OPS), its inputs in order (data, then weights) and its
+    outputs.  One onnxruntime session per graph with the weights prepacked and
+    one pool: no per-operator calls, wake-ups or NCHWc reorders between them.
+    A call site replays its bound run (see _sites)."""
+    key = _site_key("onnx_subgraph", args)
+    hit = _sites.get(key) if key is not None else None
+    if hit is not None and (hit[1] is None or hit[1].tobytes() == hit[2]):
+        hit[0]()
+        return
+    if not args:
+        raise KernelError("onnx_subgraph: no graph passed")
+    arrays = [_np(a) for a in args]
+    graph = arrays[0]
+    if graph.dtype != np.uint8 or graph.ndim != 1:
+        raise KernelError(f"onnx_subgraph: graph must be a 1-D uint8 tensor, got {graph.dtype} {graph.shape}")
+    tensors = arrays[1:]
+    n_in = _subgraph_inputs(graph)
+    if n_in > len(tensors):
+        raise KernelError(f"onnx_subgraph: the graph has {n_in} inputs, the call passes {len(tensors)} tensors")
+    inputs, outs = tensors[:n_in], tensors[n_in:]
+    wkey = tuple((_addr(a), a.shape, _fingerprint(a)) for a in inputs)
+    sub = _cached(graph, ("subgraph", wkey, len(outs)), lambda: _Subgraph(graph, inputs, len(outs)))
+    n_data = len(sub.names)
+    run = sub.bind(inputs[:n_data], outs)
+    run()
+    if key is not None:
+        if len(_sites) >= _MAX_SITES:
+            _sites.clear()
+        w = inputs[n_data:]
+        sample = _weight_sample(w[0]) if w else None
+        _sites[key] = (run, sample, None if sample is None else sample.tobytes())
+
+
+def _subgraph_inputs(graph: np.ndarray) -> int:
+    """How many inputs the graph declares (parsed once per graph constant)."""
+    def count():
+        import onnx
+
+        try:
+            return len(onnx.ModelProto.FromString(graph.tobytes()).graph.input)
+        except Exception as e:  # noqa: BLE001
+            raise KernelError(f"onnx_subgraph: graph is not a serialized ONNX model ({e})") from None
+    return _cached(graph, ("subgraph-inputs",), count)
+
+
+KERNELS[PREFIX + "onnx_subgraph"] = KernelSpec(
+    PREFIX + "onnx_subgraph", onnx_subgraph, ABI["onnx_subgraph"].inputs, ABI["onnx_subgraph"].attrs,
+    ABI["onnx_subgraph"].outputs, "onnxruntime", onnx_subgraph.__doc__.strip())
 
 
 # ---------------------------------------------------------------- registry
