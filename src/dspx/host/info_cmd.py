@@ -62,6 +62,7 @@ def module_info(so: Path, meta: dict) -> dict:
                    target_cpu=(meta.get("target") or {}).get("mcpu"), target=meta.get("target"),
                    cpu_features=meta.get("cpu_features"), weights_precision=meta.get("weights_precision"),
                    kernel_imports=meta.get("kernel_imports", []), workspace_bytes=meta.get("workspace_bytes"),
+                   subgraphs=meta.get("subgraphs") or [],
                    weights={"mode": w.get("mode"), "file": wfile, "count": w.get("count"),
                             "bytes": (so.parent / wfile).stat().st_size if wfile and (so.parent / wfile).is_file()
                             else None})
@@ -192,6 +193,10 @@ def _human(info: dict) -> list[str]:
         lines.append(f"  weights    {w['mode']}" + (f": {w['file']} {fmt.size(w['bytes'] or 0)}, {w['count']} tensors"
                                                     if w["file"] else " in the module"))
         lines.append("  kernels    " + (", ".join(info["kernel_imports"]) or "none"))
+        for sg in info.get("subgraphs", []):  # dspx.compiler.subgraph: operators offloaded in one call
+            lines.append(f"  subgraph   {sg['nodes']} nodes in one {sg['kernel']} call ("
+                         + ", ".join(f"{op} {n}" for op, n in sg["ops"].items())
+                         + f"), {sg['inputs']} -> {sg['outputs']}, {sg['rest_nodes']} nodes left to TVM")
     lines.append(f"  imports    {len(info['imports'])} symbols from the export table: " + ", ".join(info["imports"]))
     return lines
 
