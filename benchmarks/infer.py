@@ -109,6 +109,8 @@ def worker(kind: str, target: str, threads: int) -> None:
         print(json.dumps(ts), flush=True)
 
 
+_SUFFIX = {"0": "", "1": "-sg"}  # module directory suffix per DSPX_SUBGRAPH value
+
 TS_ENV = "DSPX_BENCH_TS"  # --breakdown: where the instrumented front and core log their stamps
 
 
@@ -481,6 +483,9 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="resnet18,resnet50,shufflenet",
                     help="comma-separated: resnet18 (dspx example) and light models of the onnx wheel "
                          "(resnet50, shufflenet, densenet121, ...; re-weighted at random)")
+    ap.add_argument("--subgraph", choices=["off", "on", "both"], default="off",
+                    help="compile the kernel modules op by op (off), with their supported prefix in one "
+                         "onnx_subgraph call (on, DSPX_SUBGRAPH=1), or both, each paired against onnxruntime")
     ap.add_argument("--portable", action="store_true",
                     help="also time ResNet-18 compiled with --target x86-64-v3 (the cost of a portable module)")
     argv = sys.argv[1:] if argv is None else argv
@@ -498,7 +503,6 @@ def main(argv=None) -> None:
 
     os.environ.update(_threads_env(a.threads))
     from dspx.compiler import examples
-    from dspx.transport import is_listening
 
     onnx = examples.build_all(BUILD / "onnx")
     models = [m.strip() for m in a.models.split(",") if m.strip()]
@@ -509,9 +513,12 @@ def main(argv=None) -> None:
               "cpus": os.cpu_count(), "threads": a.threads, "runs": a.runs, "slow_runs": a.slow_runs,
               "loadavg_start": os.getloadavg(), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:])}
     report["compile"] = {}
+    variants = {"off": [("", "0")], "on": [(" subgraph", "1")], "both": [("", "0"), (" subgraph", "1")]}[a.subgraph]
     for m in models:
-        print(f"compiling {m} ...", file=sys.stderr)
-        report["compile"][m] = compile_module(onnx[m], BUILD / f"{m}-k", True, a.threads)
+        for tag, flag in variants:
+            print(f"compiling {m}{tag} ...", file=sys.stderr)
+            report["compile"][m + tag] = compile_module(onnx[m], BUILD / f"{m}-k{_SUFFIX[flag]}", True, a.threads,
+                                                        extra_env={"DSPX_SUBGRAPH": flag})
     if a.portable:
         report["compile"]["resnet18 x86-64-v3"] = compile_module(onnx["resnet18"], BUILD / "resnet18-k-v3", True,
                                                                  a.threads, target="x86-64-v3")
@@ -520,17 +527,11 @@ def main(argv=None) -> None:
                                                                   a.threads)
     compile_module(onnx["multi_input"], BUILD / "multi_input", False, a.threads)
 
-    tmp = tempfile.mkdtemp(prefix="dspx-bench-")
-    sock = os.path.join(tmp, "dsp0.sock")
-    devlog = open(os.path.join(tmp, "device.log"), "w")
-    dev = subprocess.Popen([sys.executable, "-m", "dspx.device", "--socket", sock, "--cores", "1",
-                            "--threads", str(a.threads), "--quiet"], env=_threads_env(a.threads),
-                           stdout=devlog, stderr=devlog)
+    from dspx.host.launcher import PrivateDevice
+
+    dev = PrivateDevice(cores=1, extra_args=["--threads", a.threads, "--quiet"])  # environment set above
+    sock = dev.path
     try:
-        while not is_listening(sock):
-            if dev.poll() is not None:
-                raise SystemExit(f"device exited: {open(devlog.name).read()}")
-            time.sleep(0.05)
         from dspx.host.client import Client
         with Client(sock, staging_size=1 << 20, kv_size=0) as c:
             pings = sorted(c.ping()["rtt_us"] for _ in range(200))
@@ -539,9 +540,11 @@ def main(argv=None) -> None:
         for m in models:
             ort_w = Worker("ort", onnx[m], a.threads)
             try:
-                print(f"{m} (kernels) ...", file=sys.stderr)
-                report[f"{m}_kernels"] = bench_model(f"{m} (kernels)", BUILD / f"{m}-k", onnx[m], sock, a.threads,
-                                                     a.runs, a.batch, ort_w)
+                for tag, flag in variants:
+                    print(f"{m} (kernels{tag}) ...", file=sys.stderr)
+                    report[f"{m}_kernels{_SUFFIX[flag]}"] = bench_model(
+                        f"{m} (kernels{tag})", BUILD / f"{m}-k{_SUFFIX[flag]}", onnx[m], sock, a.threads,
+                        a.runs, a.batch, ort_w)
                 if m == "resnet18" and a.portable:
                     report["resnet18_v3"] = bench_model("resnet18 (x86-64-v3)", BUILD / "resnet18-k-v3",
                                                         onnx[m], sock, a.threads, a.runs, a.batch, ort_w)
@@ -557,9 +560,7 @@ def main(argv=None) -> None:
         report["tiny_multi_input"] = bench_model("multi_input (7 inputs)", BUILD / "multi_input",
                                                  onnx["multi_input"], sock, a.threads, max(a.runs, 100), 10)
     finally:
-        dev.terminate()
-        dev.wait(10)
-        devlog.close()
+        dev.stop()
     if a.breakdown:
         print("breakdown of a zero-copy call ...", file=sys.stderr)
         report["breakdown"] = {"resnet18 (kernels)": breakdown(BUILD / "resnet18-k", a.threads, a.runs),
@@ -576,7 +577,8 @@ def main(argv=None) -> None:
           f"PING round trip {report['ping_rtt_us_median']:.0f} us")
     print(f"{'module':26} {'TVM in-proc':>11} {'vm[main]':>10} {'nocopy':>10} {'device call':>11} "
           f"{'ORT':>9} {'vm/tvm':>7} {'nc/tvm':>7} {'vm/ort':>7} {'nc/ort':>7}")
-    for key in [f"{m}_kernels" for m in models] + ["resnet18_v3", "resnet18_no_kernels", "tiny_multi_input"]:
+    for key in [f"{m}_kernels{_SUFFIX[f]}" for m in models for _, f in variants] + [
+            "resnet18_v3", "resnet18_no_kernels", "tiny_multi_input"]:
         r = report.get(key)
         if not r:
             continue
