@@ -124,9 +124,14 @@ def test_capacity_story_with_default_sizes(model_dir, meta, big_device):
         kv = [(2 + i, t["offset"], (1, 3, 256, 64), "float32") for i, t in enumerate(meta["kv"]["tensors"])]
         r = c.infer(h, [ids, pos], mid, kv_resident=True, kv_inputs=kv)
         assert len(r.descs) == 1 and tuple(r.descs[0].shape) == (1, 64, 49152)
-        # the first three KV rows were written in the KV region, the rest untouched
-        k0 = c.kv_view(0, (1, 3, 256, 64), "float32")
-        assert np.abs(k0[0, :, :3]).sum() > 0 and not k0[0, :, 3:].any()
+        # the first three KV rows were written in the KV region, the rest untouched. The "blocked"
+        # layout (docs/llm.md): per KV head, blocks of 16 positions; K transposed inside a block
+        # ([e * 16 + j] for position 16 * block + j), V row by row
+        k0 = c.kv_view(0, (1, 3, 256, 64), "float32").reshape(3, 16, 64, 16).transpose(0, 1, 3, 2).reshape(3, 256, 64)
+        v0 = c.kv_view(meta["kv"]["tensors"][1]["offset"], (1, 3, 256, 64), "float32")[0]
+        assert meta["kv"]["arrangement"] == "blocked"
+        for x in (k0, v0):
+            assert np.abs(x[:, :3]).sum() > 0 and not x[:, 3:].any()
 
 
 # ---------------------------------------------------------------- numerics

@@ -85,6 +85,7 @@ class Dims:
     context: int = CONTEXT
     chunk: int = CHUNK
     kv_dtype: str = "float32"
+    kv_layout: str = "blocked"
 
     @property
     def qkv(self) -> int:
@@ -100,6 +101,11 @@ class Dims:
 
 
 KV_DTYPES = {"float32": 4, "float16": 2, "int8": 1}  # KV cache element type -> bytes
+# How a KV tensor's bytes are arranged (docs/llm.md, "KV layout"): "blocked" (16-position
+# blocks, K transposed within a block) or "rows" (one row per position, the earlier layout,
+# kept for A/B: compile_llm(kv_layout="rows"), DSPX_LLM_KV_LAYOUT=rows).
+KV_LAYOUTS = ("blocked", "rows")
+KB = 16  # positions per KV block (one AVX-512 vector of float32 scores)
 
 
 def kv_row(head_dim: int, kv_dtype: str) -> int:
@@ -126,12 +132,15 @@ def largest_context(n_layers: int, n_kv: int, head_dim: int, kv_dtype: str, chun
     return n
 
 
-def dims_of(config, context: int = CONTEXT, chunk: int = CHUNK, kv_dtype: str = "float32") -> Dims:
+def dims_of(config, context: int = CONTEXT, chunk: int = CHUNK, kv_dtype: str = "float32",
+            kv_layout: str = "blocked") -> Dims:
     c = config
     if kv_dtype not in KV_DTYPES:
         raise LLMCompileError(f"KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    if kv_layout not in KV_LAYOUTS:
+        raise LLMCompileError(f"KV layout {kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}")
     d = Dims(c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_size, c.vocab_size,
-             float(c.rope_theta), float(c.rms_eps), context, chunk, kv_dtype)
+             float(c.rope_theta), float(c.rms_eps), context, chunk, kv_dtype, kv_layout)
     from dspx.memory import KV_SIZE
 
     need = kv_region_bytes(d.n_layers, d.n_kv, d.head_dim, context, kv_dtype)
@@ -155,8 +164,8 @@ def dims_of(config, context: int = CONTEXT, chunk: int = CHUNK, kv_dtype: str = 
     for name, v in (("q rows", d.dim), ("k/v rows", d.n_kv * d.head_dim), ("ffn", d.ffn), ("vocab", d.vocab)):
         if v % TN:
             problems.append(f"{name} {v} is not a multiple of the {TN}-row GEMV tile")
-    if chunk % 4:
-        problems.append(f"prefill chunk {chunk} is not a multiple of 4")
+    if chunk % KB:
+        problems.append(f"prefill chunk {chunk} is not a multiple of {KB} (the KV block)")
     if context % chunk:
         problems.append(f"context {context} is not a multiple of the prefill chunk {chunk}")
     if problems:
@@ -609,6 +618,188 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
                     out[r, g * G * HD + e] = T.float32(0)
     ks["attention"] = attention
 
+    # ---- "blocked" KV layout (the default): positions in blocks of KB. Per block and
+    # KV head, K is stored transposed (element e of the block's KB positions contiguous,
+    # [e * KB + j]) and V row by row ([j * HD + e]); int8 blocks end with their KB float32
+    # scales. q·k then runs KB positions per vector (no lane sums), and the int8 scales
+    # are vector loads folded into the scores (K) and the softmax weights (V).
+    NBK = C // KB
+    KBLK = KB * RK  # elements per block (int8: KB*64 values + KB*4 scale bytes)
+    SOFF = KB * HD // 4  # a block's first scale, in float32 elements
+    Q8 = KD == "int8"
+
+    @T.macro
+    def store_q8_blocked(row, c8, cs, g, p, stride, step):
+        # value e of position p at c8[g, p // KB, (p % KB) * step + e * stride]; scale max|x|/127
+        mx = T.alloc_buffer((1,), "float32", scope=REG)
+        mx[0] = T.float32(0)
+        for e in range(HD):
+            mx[0] = T.max(mx[0], T.abs(row[e]))
+        inv = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
+        for e in range(HD):
+            c8[g, p // KB, (p % KB) * step + e * stride] = T.Cast("int8", T.round(row[e] * inv))
+        cs[g, p // KB, SOFF + p % KB] = mx[0] / T.float32(127)
+
+    @T.prim_func(private=True)
+    def kv_write_blocked(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
+                         cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
+                         kc: T.Buffer((1, HKV, C, RK), KD), vc: T.Buffer((1, HKV, C, RK), KD)):
+        T.func_attr({"tir.noalias": True})
+        kb = T.decl_buffer((HKV, NBK, KBLK), KD, data=kc.data)
+        vb = T.decl_buffer((HKV, NBK, KBLK), KD, data=vc.data)
+        ksc = T.decl_buffer((HKV, NBK, KBLK // 4), "float32", data=kc.data)
+        vsc = T.decl_buffer((HKV, NBK, KBLK // 4), "float32", data=vc.data)
+        for r in range(M):
+            p = T.Cast("int32", pos[0, r])
+            if p >= 0 and p < C:
+                for g in range(HKV):
+                    row = T.alloc_buffer((HD,), "float32", scope=REG)
+                    for i in range(HALF):
+                        row[2 * i] = (qkv[r, D + g * HD + 2 * i] * cos[p, i]
+                                      - qkv[r, D + g * HD + 2 * i + 1] * sin[p, i])
+                        row[2 * i + 1] = (qkv[r, D + g * HD + 2 * i] * sin[p, i]
+                                          + qkv[r, D + g * HD + 2 * i + 1] * cos[p, i])
+                    if Q8:
+                        store_q8_blocked(row, kb, ksc, g, p, KB, 1)
+                        for e in range(HD):
+                            row[e] = qkv[r, D + HKV * HD + g * HD + e]
+                        store_q8_blocked(row, vb, vsc, g, p, 1, HD)
+                    else:
+                        for e in range(HD):
+                            kb[g, p // KB, e * KB + p % KB] = T.Cast(KD, row[e])
+                        for e in range(HD):
+                            vb[g, p // KB, (p % KB) * HD + e] = T.Cast(KD, qkv[r, D + HKV * HD + g * HD + e])
+
+    # decode_parallel splits each KV head's positions in NS parts (3 heads x 2 parts = 3
+    # items per core on 2 cores, instead of 2 heads on one and 1 on the other), merged after
+    NS = 2 if M == 1 and parallel_gemv else 1
+
+    @T.prim_func(private=True)
+    def attention_blocked(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
+                          cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
+                          kc: T.Buffer((1, HKV, C, RK), KD), vc: T.Buffer((1, HKV, C, RK), KD),
+                          out: T.Buffer((M, D), "float32")):
+        T.func_attr({"tir.noalias": True})
+        kb = T.decl_buffer((HKV, NBK, KBLK), KD, data=kc.data)
+        vb = T.decl_buffer((HKV, NBK, KBLK), KD, data=vc.data)
+        ksc = T.decl_buffer((HKV, NBK, KBLK // 4), "float32", data=kc.data)
+        vsc = T.decl_buffer((HKV, NBK, KBLK // 4), "float32", data=vc.data)
+        part = T.alloc_buffer((M * HKV * NS, G, HD + 2), "float32")  # NS > 1: o, max, sum of each part
+        for it in rows(M * HKV * NS):
+            qr = T.alloc_buffer((G, HD), "float32", scope=REG)
+            acc = T.alloc_buffer((G, 4, KB), "float32", scope=REG)  # 4 partial sums: 12 FMA chains
+            kf = T.alloc_buffer((HD,), "float32", scope=REG)
+            mv = T.alloc_buffer((G, KB), "float32", scope=REG)
+            o = T.alloc_buffer((G, HD), "float32", scope=REG)
+            st = T.alloc_buffer((2, G), "float32", scope=REG)  # max, sum per head
+            sv = T.alloc_buffer((G, KB), "float32", scope=REG)
+            sc = T.alloc_buffer((G, C), "float32", scope="local")
+            r = it // (HKV * NS)
+            g = it // NS % HKV
+            p = T.Cast("int32", pos[0, r])
+            b0 = it % NS * ((p + KB) // KB) // NS  # this part's blocks b0 <= tb < b1
+            b1 = (it % NS + 1) * ((p + KB) // KB) // NS
+            for h in T.unroll(G):
+                for e in T.vectorized(HD):
+                    o[h, e] = T.float32(0)
+                st[0, h] = T.float32(-3.0e38)
+                st[1, h] = T.float32(0)
+            if p >= 0 and p < C and b0 < b1:
+                for h in T.unroll(G):
+                    for i in range(HALF):
+                        qr[h, 2 * i] = (qkv[r, (g * G + h) * HD + 2 * i] * cos[p, i]
+                                        - qkv[r, (g * G + h) * HD + 2 * i + 1] * sin[p, i]) * T.float32(scale)
+                        qr[h, 2 * i + 1] = (qkv[r, (g * G + h) * HD + 2 * i] * sin[p, i]
+                                            + qkv[r, (g * G + h) * HD + 2 * i + 1] * cos[p, i]) * T.float32(scale)
+                    for j in T.vectorized(KB):
+                        mv[h, j] = T.float32(-3.0e38)
+                # q·k: KB positions per vector, each widened K column shared by the G heads
+                for tb in range(b0, b1):
+                    for h in T.unroll(G):
+                        for u in T.unroll(4):
+                            for j in T.vectorized(KB):
+                                acc[h, u, j] = T.float32(0)
+                    for eo in range(HD // 4):
+                        for u in T.unroll(4):
+                            for j in T.vectorized(KB):
+                                kf[u * KB + j] = T.Cast("float32", kb[g, tb, (eo * 4 + u) * KB + j])
+                            for h in T.unroll(G):
+                                for j in T.vectorized(KB):
+                                    acc[h, u, j] = acc[h, u, j] + qr[h, eo * 4 + u] * kf[u * KB + j]
+                    for h in T.unroll(G):
+                        for j in T.vectorized(KB):
+                            if Q8:
+                                sc[h, tb * KB + j] = T.Select(
+                                    tb * KB + j <= p,
+                                    ((acc[h, 0, j] + acc[h, 1, j]) + (acc[h, 2, j] + acc[h, 3, j])) * ksc[g, tb, SOFF + j],
+                                    T.float32(-3.0e38))
+                            else:
+                                sc[h, tb * KB + j] = T.Select(
+                                    tb * KB + j <= p, (acc[h, 0, j] + acc[h, 1, j]) + (acc[h, 2, j] + acc[h, 3, j]),
+                                    T.float32(-3.0e38))
+                            mv[h, j] = T.max(mv[h, j], sc[h, tb * KB + j])
+                for h in T.unroll(G):
+                    for e in T.vectorized(8):
+                        mv[h, e] = T.max(mv[h, e], mv[h, 8 + e])
+                    for e in T.vectorized(4):
+                        mv[h, e] = T.max(mv[h, e], mv[h, 4 + e])
+                    st[0, h] = T.max(T.max(mv[h, 0], mv[h, 2]), T.max(mv[h, 1], mv[h, 3]))
+                    for e in T.vectorized(KB):
+                        sv[h, e] = T.float32(0)
+                # softmax weights, the G heads side by side
+                for tb in range(b0, b1):
+                    for h in T.unroll(G):
+                        for e in T.vectorized(KB):
+                            sc[h, tb * KB + e] = T.Select(tb * KB + e <= p, vexp(sc[h, tb * KB + e] - st[0, h]),
+                                                          T.float32(0))
+                            sv[h, e] = sv[h, e] + sc[h, tb * KB + e]
+                            if Q8:  # V's scale folded into the weight (after the sum: it is not normalized)
+                                sc[h, tb * KB + e] = sc[h, tb * KB + e] * vsc[g, tb, SOFF + e]
+                for h in T.unroll(G):
+                    for e in T.vectorized(8):
+                        sv[h, e] = sv[h, e] + sv[h, 8 + e]
+                    for e in T.vectorized(4):
+                        sv[h, e] = sv[h, e] + sv[h, 4 + e]
+                    st[1, h] = (sv[h, 0] + sv[h, 2]) + (sv[h, 1] + sv[h, 3])
+                for t in range(b0 * KB, T.min(b1 * KB, p + 1)):
+                    for e in T.vectorized(HD):
+                        kf[e] = T.Cast("float32", vb[g, t // KB, (t % KB) * HD + e])
+                    for h in T.unroll(G):
+                        for e in T.vectorized(HD):
+                            o[h, e] = o[h, e] + sc[h, t] * kf[e]
+            for h in T.unroll(G):
+                if NS == 1:
+                    for e in T.vectorized(HD):
+                        out[r, (g * G + h) * HD + e] = T.Select(st[1, h] > T.float32(0), o[h, e] / st[1, h],
+                                                                T.float32(0))
+                else:
+                    for e in T.vectorized(HD):
+                        part[it, h, e] = o[h, e]
+                    part[it, h, HD] = st[0, h]
+                    part[it, h, HD + 1] = st[1, h]
+        if NS > 1:
+            for rg in range(M * HKV):
+                for h in range(G):
+                    w = T.alloc_buffer((NS + 1,), "float32", scope=REG)  # each part's weight, their sum
+                    mx = T.alloc_buffer((1,), "float32", scope=REG)
+                    mx[0] = T.float32(-3.0e38)
+                    for s_ in range(NS):
+                        mx[0] = T.max(mx[0], part[rg * NS + s_, h, HD])
+                    w[NS] = T.float32(0)
+                    for s_ in range(NS):
+                        w[s_] = vexp(part[rg * NS + s_, h, HD] - mx[0])
+                        w[NS] = w[NS] + w[s_] * part[rg * NS + s_, h, HD + 1]
+                    for e in T.vectorized(HD):
+                        out[rg // HKV, (rg % HKV * G + h) * HD + e] = T.float32(0)
+                    for s_ in range(NS):
+                        for e in T.vectorized(HD):
+                            out[rg // HKV, (rg % HKV * G + h) * HD + e] = (
+                                out[rg // HKV, (rg % HKV * G + h) * HD + e]
+                                + T.Select(w[NS] > T.float32(0), part[rg * NS + s_, h, e] * w[s_] / w[NS], T.float32(0)))
+
+    if d.kv_layout == "blocked":
+        ks["kv_write"], ks["attention"] = kv_write_blocked, attention_blocked
+
     F = d.ffn
 
     @T.prim_func(private=True)
@@ -748,10 +939,12 @@ def gguf_identity(path: Path) -> dict:
 
 
 def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, parallel_decode_gemv: bool = False,
-                context: int = CONTEXT, chunk: int = CHUNK, kv_dtype: str = "float32", target: str = LLM_TARGET) -> dict:
+                context: int = CONTEXT, chunk: int = CHUNK, kv_dtype: str = "float32", target: str = LLM_TARGET,
+                kv_layout: str = "blocked") -> dict:
     """Compile a Llama GGUF into ``outdir`` (prefill.so, decode.so, weights.bin,
     metadata.json); returns the metadata (plus ``"timings"``). ``target`` as
-    ``dspx compile --target`` (default: this machine)."""
+    ``dspx compile --target`` (default: this machine); ``kv_layout`` one of
+    KV_LAYOUTS (the arrangement inside the KV tensors; both modules share it)."""
     from dspx.compiler.onnx import _Progress, cpu_features, make_target
     from dspx.llm import read_gguf
 
@@ -759,7 +952,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     prog = _Progress(progress)
     t_all = time.perf_counter()
     model = read_gguf(gguf_path, progress=progress)  # raises GGUFNotFoundError / UnsupportedArchitectureError
-    d = dims_of(model.config, context, chunk, kv_dtype)
+    d = dims_of(model.config, context, chunk, kv_dtype, kv_layout)
     with prog.stage("pack", f"repack {model.path.name} quantized blocks ({len(model.tensors)} tensors)"):
         weights = pack_weights(model, d)
     import tvm
@@ -812,6 +1005,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
                     "storage": "GGUF blocks repacked: Q4_1 linear layers (f16 d, f16 m, 4-bit q), "
                                "Q8_0 embedding/LM head (f16 d, int8 q), F32 norms, F32 RoPE tables"},
         "kv": {"order": "k0, v0, k1, v1, ...", "shape": list(d.kv_shape), "dtype": d.kv_dtype,
+               "arrangement": d.kv_layout,
                "tensor_bytes": d.kv_bytes, "count": len(kv_tensors),
                "total_bytes": kv_end,
                "layout": "KV region base + i * tensor_bytes (the device packs KV outputs there, 64-aligned)",
@@ -835,10 +1029,15 @@ def default_cache_dir() -> Path:
 
 
 def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True, *, context: int = CONTEXT,
-                 kv_dtype: str = "float32") -> Path:
+                 kv_dtype: str = "float32", kv_layout: str | None = None) -> Path:
     """A compiled copy of ``gguf_path`` under the cache (compiled once per
-    compiler digest, GGUF identity, context and KV dtype)."""
+    compiler digest, GGUF identity, context, KV dtype and KV layout; the
+    layout defaults to ``$DSPX_LLM_KV_LAYOUT``, else "blocked")."""
     from dspx.llm import find_default_gguf
+
+    kv_layout = kv_layout or os.environ.get("DSPX_LLM_KV_LAYOUT") or "blocked"
+    if kv_layout not in KV_LAYOUTS:
+        raise LLMCompileError(f"KV layout {kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}")
 
     path = find_default_gguf() if gguf_path is None else Path(gguf_path)
     if not path.is_file():
@@ -846,6 +1045,8 @@ def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True, *, conte
         raise GGUFNotFoundError(f"GGUF file not found: {path}")
     ident = gguf_identity(path)
     build = {"context": context, "kv_dtype": kv_dtype}
+    if kv_layout != "blocked":
+        build["kv_layout"] = kv_layout
     key = hashlib.sha256((compiler_digest() + json.dumps(ident, sort_keys=True)
                           + ("" if build == {"context": CONTEXT, "kv_dtype": "float32"} else json.dumps(build))
                           ).encode()).hexdigest()[:16]
@@ -864,7 +1065,7 @@ def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True, *, conte
         # once (tests and a benchmark) must not delete each other's half-written build
         tmp = root / f"{key}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        compile_llm(path, tmp, progress=progress, context=context, kv_dtype=kv_dtype)
+        compile_llm(path, tmp, progress=progress, context=context, kv_dtype=kv_dtype, kv_layout=kv_layout)
         if out.exists() and not (out / METADATA_FILE).exists():
             shutil.rmtree(out, ignore_errors=True)
         try:
