@@ -18,9 +18,13 @@ What is measured (wall clock in the host process, medians of --repeat runs):
   context-N … context-1 (after prefilling context-N tokens), and its ratio to
   decode at position 37 (goal >= 0.8).
 - every KV dtype: float32 (context 256), float16 (512) and int8 (1,024), each
-  its own compiled package and device, one after the other.  Each load picks
-  its decode module (GEMVs on one thread or all) by timing both
-  (``decode_choice``; force with DSPX_LLM_DECODE=serial|parallel).
+  its own compiled package and device, all three loaded at once and measured
+  in interleaved rounds (each round measures each package in turn; medians
+  over the rounds), so the three rows share the machine's state.  Each load
+  picks its decode module (GEMVs on one thread or all) by timing both
+  (``decode_choice``; force with DSPX_LLM_DECODE=serial|parallel).  The KV
+  layout is compiler/llm.py's default ("blocked"; DSPX_LLM_KV_LAYOUT=rows for
+  the earlier one); --layout-ab compares the two.
 - bytes moved per decoded token: bytes the host copies into input_buf
   (tensors + descriptor table) + KV bytes it copies out of output_buf; the
   196,608 bytes of logits read are the same in both modes and listed apart.
@@ -37,7 +41,6 @@ Prints a table and writes benchmarks/results/llm.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -53,6 +56,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import numpy as np  # noqa: E402
+from _results import write_json  # noqa: E402
 
 
 def med(xs):
@@ -108,48 +112,91 @@ def bench_llama_cpp(p37, p256, n: int, repeat: int) -> dict:
     return out
 
 
-def bench_dspx(model_dir, p37, p256, long_text, n: int, repeat: int, non_resident: bool) -> dict:
+def bench_dspx(model_dirs: dict, p37, p256, long_text, n: int, repeat: int, non_resident: str) -> dict:
+    """Every package of ``model_dirs`` ({key: dir}) loaded at once, each on its
+    own device, and measured in interleaved rounds (round i measures each
+    package in turn), so the rows share the machine's state: one package
+    measured after another saw a different load (the f16 row of the last
+    quiet run, 1.18x, was measured between the other two)."""
     from dspx.host.llm import DeviceLLM
 
-    t0 = time.perf_counter()
-    llm = DeviceLLM(model_dir, progress=True)
-    dev = {"load_s": round(time.perf_counter() - t0, 2), "context": llm.context, "kv_dtype": llm.kv_dtype}
+    llms, res = {}, {}
     try:
-        for name, ids in (("37", p37), ("256", p256)):
-            ts = []
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                llm.prefill(ids)
-                ts.append(time.perf_counter() - t0)
-            dev[f"prefill_tok_s_{name}"] = round(len(ids) / med(ts), 1)
-        for mode, resident in (("resident", True), ("non_resident", False))[:2 if non_resident else 1]:
-            ts, toks = [], None
-            for _ in range(repeat):
-                first = llm.prefill(p37)
-                before = llm.traffic.moved
-                dt, toks = decode_run(lambda t, p: llm.decode(t, p, resident=resident), first, len(p37), n)
-                ts.append(dt)
-                moved = (llm.traffic.moved - before) / n
-            dev[f"decode_tok_s_{mode}"] = round(n / med(ts), 1)
-            dev[f"bytes_per_token_{mode}"] = int(moved)
-            dev[f"ids_{mode}"] = toks
-        if non_resident:
-            dev["same_tokens"] = dev["ids_resident"] == dev["ids_non_resident"]
-            dev["resident_speedup"] = round(dev["decode_tok_s_resident"] / dev["decode_tok_s_non_resident"], 2)
-        start = llm.context - n
-        ts = []
+        for key, d in model_dirs.items():
+            t0 = time.perf_counter()
+            llms[key] = llm = DeviceLLM(d, progress=True)
+            res[key] = {"load_s": round(time.perf_counter() - t0, 2), "context": llm.context, "kv_dtype": llm.kv_dtype}
+        ts = {k: {} for k in llms}
         for _ in range(repeat):
-            first = llm.prefill(long_text[:start])
-            dt, _ = decode_run(llm.decode, first, start, n)
-            ts.append(dt)
-        dev["decode_tok_s_end_of_context"] = round(n / med(ts), 1)
-        dev["end_of_context_ratio"] = round(dev["decode_tok_s_end_of_context"] / dev["decode_tok_s_resident"], 2)
-        dev["logits_bytes_per_token"] = 4 * llm.vocab
-        dev["load_warnings"] = llm.load_warnings
-        dev["decode_choice"] = llm.decode_choice
+            for key, llm in llms.items():
+                t, dev = ts[key], res[key]
+                for name, ids in (("37", p37), ("256", p256)):
+                    t0 = time.perf_counter()
+                    llm.prefill(ids)
+                    t.setdefault(f"prefill_{name}", []).append(time.perf_counter() - t0)
+                for mode, resident in (("resident", True), ("non_resident", False))[:2 if key == non_resident else 1]:
+                    first = llm.prefill(p37)
+                    before = llm.traffic.moved
+                    dt, dev[f"ids_{mode}"] = decode_run(lambda tk, p: llm.decode(tk, p, resident=resident), first,
+                                                        len(p37), n)
+                    t.setdefault(f"decode_{mode}", []).append(dt)
+                    dev[f"bytes_per_token_{mode}"] = int((llm.traffic.moved - before) / n)
+                start = llm.context - n
+                first = llm.prefill(long_text[:start])
+                dt, _ = decode_run(llm.decode, first, start, n)
+                t.setdefault("decode_end", []).append(dt)
+        for key, llm in llms.items():
+            t, dev = ts[key], res[key]
+            for name, ids in (("37", p37), ("256", p256)):
+                dev[f"prefill_tok_s_{name}"] = round(len(ids) / med(t[f"prefill_{name}"]), 1)
+            for mode in ("resident", "non_resident"):
+                if f"decode_{mode}" in t:
+                    dev[f"decode_tok_s_{mode}"] = round(n / med(t[f"decode_{mode}"]), 1)
+            if key == non_resident:
+                dev["same_tokens"] = dev["ids_resident"] == dev["ids_non_resident"]
+                dev["resident_speedup"] = round(dev["decode_tok_s_resident"] / dev["decode_tok_s_non_resident"], 2)
+            dev["decode_tok_s_end_of_context"] = round(n / med(t["decode_end"]), 1)
+            dev["end_of_context_ratio"] = round(dev["decode_tok_s_end_of_context"] / dev["decode_tok_s_resident"], 2)
+            dev["logits_bytes_per_token"] = 4 * llm.vocab
+            dev["load_warnings"] = llm.load_warnings
+            dev["decode_choice"] = llm.decode_choice
     finally:
-        llm.close()
-    return dev
+        for llm in llms.values():
+            llm.close()
+    return res
+
+
+def layout_ab(p37, long_text, n: int, repeat: int) -> dict:
+    """--layout-ab: decode from 37 and at the end of the context for each KV dtype
+    with the "rows" and "blocked" KV layouts (compiler/llm.py KV_LAYOUTS), both
+    packages loaded at once and measured alternately (interleaved rounds, medians)."""
+    from dspx.compiler.llm import KV_LAYOUTS, compiled_dir
+    from dspx.host.llm import DeviceLLM
+
+    out = {}
+    for dtype, ctx in (("float32", 256), ("float16", 512), ("int8", 1024)):
+        llms = {lay: DeviceLLM(compiled_dir(progress=True, context=ctx, kv_dtype=dtype, kv_layout=lay), progress=False)
+                for lay in KV_LAYOUTS}
+        ts = {lay: {"37": [], "end": []} for lay in llms}
+        ids = {}
+        try:
+            for _ in range(repeat):
+                for lay, llm in llms.items():
+                    dt, ids[lay] = decode_run(llm.decode, llm.prefill(p37), len(p37), n)
+                    ts[lay]["37"].append(dt)
+                    start = llm.context - n
+                    dt, _ = decode_run(llm.decode, llm.prefill(long_text[:start]), start, n)
+                    ts[lay]["end"].append(dt)
+            r = {lay: {"decode_tok_s": round(n / med(t["37"]), 1), "decode_tok_s_end_of_context": round(n / med(t["end"]), 1),
+                       "decode_choice": llms[lay].decode_choice} for lay, t in ts.items()}
+        finally:
+            for llm in llms.values():
+                llm.close()
+        for x in r.values():
+            x["end_of_context_ratio"] = round(x["decode_tok_s_end_of_context"] / x["decode_tok_s"], 2)
+        r["same_tokens"] = ids["rows"] == ids["blocked"]
+        out[dtype] = r
+    return out
 
 
 def decode_by_position(model_dir, first_ids, every: int = 8) -> dict:
@@ -182,6 +229,9 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--layout-ab", action="store_true",
+                    help="only A/B the KV layouts (rows vs blocked): decode from 37 and at the end of the context "
+                         "for each KV dtype, interleaved; writes llm_layout_ab.json")
     ap.add_argument("--plot", action="store_true",
                     help="also decode across the whole context and write llm.png: tok/s by position, "
                          "KV-resident vs not (plot extra)")
@@ -205,12 +255,28 @@ def main() -> int:
     p256 = tok.encode(text)[:256]
     long_text = tok.encode(text * 4)
     n = a.decode_tokens
+    if a.layout_ab:
+        results["layout_ab"] = ab = layout_ab(p37, long_text, n, a.repeat)
+        results["load_avg_end"] = os.getloadavg()[0]
+        print(f"\n{'KV':8s} {'layout':8s} {'decode@37':>10s} {'decode@end':>11s} {'end/37':>7s}  decode module")
+        for dtype, r in ab.items():
+            for lay in ("rows", "blocked"):
+                x = r[lay]
+                print(f"{dtype:8s} {lay:8s} {x['decode_tok_s']:10.1f} {x['decode_tok_s_end_of_context']:11.1f} "
+                      f"{x['end_of_context_ratio']:7.2f}  {x['decode_choice']['chosen']}")
+            print(f"{'':8s} blocked/rows: decode@37 {r['blocked']['decode_tok_s'] / r['rows']['decode_tok_s']:.2f}x, "
+                  f"decode@end {r['blocked']['decode_tok_s_end_of_context'] / r['rows']['decode_tok_s_end_of_context']:.2f}x"
+                  f"; same tokens: {r['same_tokens']}")
+        print(f"(tok/s, {n} greedy tokens, medians of {a.repeat} interleaved rounds; load average "
+              f"{results['load_avg_start']:.2f} -> {results['load_avg_end']:.2f} on {results['cpus']} CPUs)")
+        print(f"wrote {write_json('llm_layout_ab.json', results)}")
+        return 0
 
-    results["dspx"] = bench_dspx(model_dir, p37, p256, long_text, n, a.repeat, non_resident=True)
+    dirs = {"dspx": model_dir, "dspx_f16kv": compiled_dir(progress=True, context=512, kv_dtype="float16"),
+            "dspx_int8kv": compiled_dir(progress=True, context=1024, kv_dtype="int8")}
+    results.update(bench_dspx(dirs, p37, p256, long_text, n, a.repeat, non_resident="dspx"))
     results["load_s"] = results["dspx"].pop("load_s")
-    for key, dtype, ctx in (("dspx_f16kv", "float16", 512), ("dspx_int8kv", "int8", 1024)):
-        results[key] = bench_dspx(compiled_dir(progress=True, context=ctx, kv_dtype=dtype), p37, p256, long_text,
-                                  n, a.repeat, non_resident=False)
+    for key in ("dspx_f16kv", "dspx_int8kv"):
         results[key]["same_tokens_as_f32kv"] = results[key]["ids_resident"] == results["dspx"]["ids_resident"]
 
     if not a.no_reference:
@@ -286,17 +352,13 @@ def main() -> int:
     if not isinstance(lc, dict):
         print(f"llama.cpp: {lc}")
     print(f"load average {results['load_avg_start']:.2f} -> {results['load_avg_end']:.2f} on {results['cpus']} CPUs")
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    out = os.path.join(ROOT, "benchmarks", "results", "llm.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=2)
+    out = write_json("llm.json", results)
     print(f"wrote {out}")
     if a.plot:
         import plots
         sweep = decode_by_position(model_dir, p37)
         results["decode_by_position"] = sweep
-        with open(out, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json("llm.json", results)
         print("wrote", plots.lines(sweep["positions"], {"KV-resident": sweep["resident"],
                                                         "non-resident (KV copied both ways)": sweep["non_resident"]},
                                    out.removesuffix(".json") + ".png",

@@ -4,7 +4,8 @@
 
 Builds each TIR kernel of the prefill entry (one 64-row chunk, ``--rows`` real
 rows, positions 0…rows-1) and of the decode attention at the end of each KV
-dtype's context, runs it on random inputs of its own shapes and reports the
+dtype's context and at position 37, for each KV layout (rows / blocked,
+interleaved rounds: the A/B of compiler/llm.py's KV_LAYOUTS), runs it on random inputs of its own shapes and reports the
 process CPU time per call with TVM_NUM_THREADS=1 (CPU time, so the figures
 hold on a busy machine better than wall time; two free cores roughly halve
 the parallel kernels' wall time), GFLOP/s for the GEMMs, and the per-token
@@ -13,7 +14,6 @@ totals (× layers). Prints a table, writes benchmarks/results/llm_kernels.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -24,11 +24,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
 import numpy as np  # noqa: E402
+from _results import write_json  # noqa: E402
 
+ROUNDS = 5  # interleaved rounds of the layout A/B
 SMOLLM2 = dict(n_layers=30, dim=576, n_heads=9, n_kv=3, head_dim=64, ffn=1536, vocab=49152, theta=100000.0, eps=1e-5)
 
 
-def random_args(func, rng, rows: int, pos0: int = 0):
+def random_args(func, rng, rows: int, pos0: int = 0, kv_layout: str = "blocked"):
     """tvm tensors for a kernel's buffers: random values, positions pos0… for `rows` rows, -1 after."""
     import tvm
 
@@ -47,22 +49,32 @@ def random_args(func, rng, rows: int, pos0: int = 0):
             a = rng.integers(info.min, info.max, shape, endpoint=True).astype(dt)
         else:
             a = (rng.standard_normal(shape) * (0.01 if dt == "float16" else 1)).astype(dt)
-        if bname in ("kc", "vc") and dt == "int8":  # rows' trailing float32 scale: a sane value
-            a[..., -4:] = np.frombuffer(np.float32(0.01).tobytes(), np.int8)
+        if bname in ("kc", "vc") and dt == "int8":  # the float32 scales: a sane value (random bits are denormals)
+            s = np.frombuffer(np.float32(0.01).tobytes(), np.int8)
+            if kv_layout == "rows":  # after each row's 64 values
+                a[..., -4:] = s
+            else:  # after each 16-position block's 16 x 64 values
+                a.reshape(shape[1], -1, 16 * shape[3])[..., 16 * 64:] = np.tile(s, 16)
         out.append(tvm.runtime.tensor(a))
     return out
 
 
-def time_kernel(func, name, target, args, repeat):
+def build(func, name, target):
     import tvm
 
-    lib = tvm.compile(tvm.IRModule({name: func.with_attr("global_symbol", name)}), target=target)
-    fn = lib[name]
+    return tvm.compile(tvm.IRModule({name: func.with_attr("global_symbol", name)}), target=target)[name]
+
+
+def time_calls(fn, args, repeat):
     fn(*args)
     t0 = time.process_time()
     for _ in range(repeat):
         fn(*args)
     return (time.process_time() - t0) / repeat
+
+
+def time_kernel(func, name, target, args, repeat):
+    return time_calls(build(func, name, target), args, repeat)
 
 
 def main() -> int:
@@ -103,23 +115,32 @@ def main() -> int:
               f"{cost[name] * calls / total:6.1%} {gf:>8s}")
     print(f"{'total':14s} {'':9s} {'':6s} {total * 1e3:9.2f}  -> {a.rows / total:.0f} tok/s on one core")
     results["prefill_ms_one_core"] = round(total * 1e3, 2)
-    print("\ndecode attention at the last position of each KV dtype's context (one layer, 1 thread):")
+    print("\ndecode attention at the last position of each KV dtype's context and at 37, one layer, 1 thread, "
+          f"per KV layout (medians of {ROUNDS} interleaved rounds):")
     for kd in ("float32", "float16", "int8"):
         ctx = L.largest_context(d.n_layers, d.n_kv, d.head_dim, kd)
-        dk = L.Dims(**SMOLLM2, context=ctx, kv_dtype=kd)
-        f = L._kernels(dk, 1, False)["attention"]
-        t = time_kernel(f, "attention", target, random_args(f, rng, 1, pos0=ctx - 1), a.repeat)
-        t37 = time_kernel(f, "attention", target, random_args(f, rng, 1, pos0=37), a.repeat)
-        results["decode_attention_us"][kd] = {"context": ctx, "at_end": round(t * 1e6, 1), "at_37": round(t37 * 1e6, 1)}
-        print(f"  {kd:8s} context {ctx:5d}: {t * 1e6:7.1f} us/layer at {ctx - 1} ({t * d.n_layers * 1e3:.2f} ms/token), "
-              f"{t37 * 1e6:6.1f} at 37")
+        cases = {}
+        for lay in L.KV_LAYOUTS:
+            f = L._kernels(L.Dims(**SMOLLM2, context=ctx, kv_dtype=kd, kv_layout=lay), 1, False)["attention"]
+            fn = build(f, "attention", target)
+            for at in (ctx - 1, 37):
+                cases[lay, at] = (fn, random_args(f, rng, 1, pos0=at, kv_layout=lay))
+        ts = {k: [] for k in cases}
+        for _ in range(ROUNDS):
+            for k, (fn, args) in cases.items():
+                ts[k].append(time_calls(fn, args, a.repeat))
+        us = {k: float(np.median(v)) * 1e6 for k, v in ts.items()}
+        results["decode_attention_us"][kd] = {
+            lay: {"context": ctx, "at_end": round(us[lay, ctx - 1], 1), "at_37": round(us[lay, 37], 1)}
+            for lay in L.KV_LAYOUTS}
+        for lay in L.KV_LAYOUTS:
+            t = us[lay, ctx - 1]
+            print(f"  {kd:8s} {lay:8s} context {ctx:5d}: {t:7.1f} us/layer at {ctx - 1} "
+                  f"({t * d.n_layers / 1e3:.2f} ms/token), {us[lay, 37]:6.1f} at 37")
+        print(f"  {'':8s} blocked / rows at {ctx - 1}: {us['blocked', ctx - 1] / us['rows', ctx - 1]:.2f}")
     results["load_avg_end"] = os.getloadavg()[0]
     print(f"load average {results['load_avg_start']:.2f} -> {results['load_avg_end']:.2f}")
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    out = os.path.join(ROOT, "benchmarks", "results", "llm_kernels.json")
-    with open(out, "w") as fh:
-        json.dump(results, fh, indent=2)
-    print(f"wrote {out}")
+    print(f"wrote {write_json('llm_kernels.json', results)}")
     return 0
 
 
