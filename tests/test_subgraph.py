@@ -178,3 +178,20 @@ def test_partition_off_and_not_offloadable_models_keep_the_op_by_op_path(tmp_pat
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
     assert subgraph.partition(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])) is None
+
+
+def test_one_session_per_graph_and_weights_whatever_the_data():
+    """Two address sets of one call site (the VM alternates them) with different
+    data share one session: only the weights key it."""
+    K.clear_caches()
+    g = _u8(_conv_relu_add())
+    w, b = (tvm.runtime.tensor(a) for a in (rand(8, 8, 3, 3), rand(8)))
+    fn = tvm.get_global_func(KERNEL)
+    for _ in range(2):
+        x = rand(1, 8, 6, 6)
+        o1, o2 = (tvm.runtime.tensor(np.zeros((1, 8, 6, 6), np.float32)) for _ in range(2))
+        fn(g, tvm.runtime.tensor(x), w, b, o1, o2)
+        np.testing.assert_allclose(o2.numpy(), np.maximum(ref_conv(x, w.numpy(), b.numpy(), (1, 1), (1, 1, 1, 1),
+                                                                    (1, 1), 1), 0) + x, atol=1e-4, rtol=0)
+    assert sum(isinstance(v[1], K._Subgraph) for v in K._cache.values()) == 1
+    K.clear_caches()

@@ -1091,11 +1091,12 @@ def onnx_subgraph(*args):
     if graph.dtype != np.uint8 or graph.ndim != 1:
         raise KernelError(f"onnx_subgraph: graph must be a 1-D uint8 tensor, got {graph.dtype} {graph.shape}")
     tensors = arrays[1:]
-    n_in = _subgraph_inputs(graph)
+    n_in, n_w = _subgraph_counts(graph)
     if n_in > len(tensors):
         raise KernelError(f"onnx_subgraph: the graph has {n_in} inputs, the call passes {len(tensors)} tensors")
     inputs, outs = tensors[:n_in], tensors[n_in:]
-    wkey = tuple((_addr(a), a.shape, _fingerprint(a)) for a in inputs)
+    # one session per graph and weights (not per data: every address set of a call site shares it)
+    wkey = tuple((_addr(a), a.shape, _fingerprint(a)) for a in inputs[n_in - n_w:])
     sub = _cached(graph, ("subgraph", wkey, len(outs)), lambda: _Subgraph(graph, inputs, len(outs)))
     n_data = len(sub.names)
     run = sub.bind(inputs[:n_data], outs)
@@ -1108,16 +1109,20 @@ def onnx_subgraph(*args):
         _sites[key] = (run, sample, None if sample is None else sample.tobytes())
 
 
-def _subgraph_inputs(graph: np.ndarray) -> int:
-    """How many inputs the graph declares (parsed once per graph constant)."""
+def _subgraph_counts(graph: np.ndarray) -> tuple[int, int]:
+    """(inputs, of which weights) the graph declares (parsed once per graph
+    constant; a count that does not fit is refused by _Subgraph)."""
     def count():
         import onnx
 
         try:
-            return len(onnx.ModelProto.FromString(graph.tobytes()).graph.input)
+            m = onnx.ModelProto.FromString(graph.tobytes())
         except Exception as e:  # noqa: BLE001
             raise KernelError(f"onnx_subgraph: graph is not a serialized ONNX model ({e})") from None
-    return _cached(graph, ("subgraph-inputs",), count)
+        n_w = {p.key: p.value for p in m.metadata_props}.get(SUBGRAPH_WEIGHTS_KEY, "0")
+        n_in = len(m.graph.input)
+        return n_in, int(n_w) if n_w.isdigit() and int(n_w) <= n_in else 0
+    return _cached(graph, ("subgraph-counts",), count)
 
 
 KERNELS[PREFIX + "onnx_subgraph"] = KernelSpec(
