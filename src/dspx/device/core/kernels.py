@@ -1016,7 +1016,6 @@ class _Subgraph:
         except Exception as e:  # noqa: BLE001 - onnxruntime refuses the graph
             raise KernelError(f"onnx_subgraph: onnxruntime cannot build the graph: {str(e).splitlines()[0][:300]}") \
                 from None
-        self.nodes = len(g.node)
 
     def bind(self, data: list[np.ndarray], outs: list[np.ndarray]) -> Callable[[], None]:
         for vi, o in zip(self.out_types, outs):
