@@ -169,7 +169,9 @@ def bench_dspx(model_dirs: dict, p37, p256, long_text, n: int, repeat: int, non_
 def layout_ab(p37, long_text, n: int, repeat: int) -> dict:
     """--layout-ab: decode from 37 and at the end of the context for each KV dtype
     with the "rows" and "blocked" KV layouts (compiler/llm.py KV_LAYOUTS), both
-    packages loaded at once and measured alternately (interleaved rounds, medians)."""
+    packages loaded at once and measured alternately (interleaved rounds,
+    medians), each on both decode modules (serial and parallel: the load-time
+    choice would otherwise differ between the two packages)."""
     from dspx.compiler.llm import KV_LAYOUTS, compiled_dir
     from dspx.host.llm import DeviceLLM
 
@@ -177,24 +179,28 @@ def layout_ab(p37, long_text, n: int, repeat: int) -> dict:
     for dtype, ctx in (("float32", 256), ("float16", 512), ("int8", 1024)):
         llms = {lay: DeviceLLM(compiled_dir(progress=True, context=ctx, kv_dtype=dtype, kv_layout=lay), progress=False)
                 for lay in KV_LAYOUTS}
-        ts = {lay: {"37": [], "end": []} for lay in llms}
+        cases = [(lay, kind) for kind in ("serial", "parallel") for lay in llms]
+        ts = {c: {"37": [], "end": []} for c in cases}
         ids = {}
         try:
             for _ in range(repeat):
-                for lay, llm in llms.items():
-                    dt, ids[lay] = decode_run(llm.decode, llm.prefill(p37), len(p37), n)
-                    ts[lay]["37"].append(dt)
+                for lay, kind in cases:
+                    llm = llms[lay]
+                    llm.use_decode(kind)
+                    dt, ids[lay, kind] = decode_run(llm.decode, llm.prefill(p37), len(p37), n)
+                    ts[lay, kind]["37"].append(dt)
                     start = llm.context - n
                     dt, _ = decode_run(llm.decode, llm.prefill(long_text[:start]), start, n)
-                    ts[lay]["end"].append(dt)
-            r = {lay: {"decode_tok_s": round(n / med(t["37"]), 1), "decode_tok_s_end_of_context": round(n / med(t["end"]), 1),
-                       "decode_choice": llms[lay].decode_choice} for lay, t in ts.items()}
+                    ts[lay, kind]["end"].append(dt)
         finally:
             for llm in llms.values():
                 llm.close()
-        for x in r.values():
+        r = {}
+        for (lay, kind), t in ts.items():
+            x = r.setdefault(kind, {})[lay] = {"decode_tok_s": round(n / med(t["37"]), 1),
+                                               "decode_tok_s_end_of_context": round(n / med(t["end"]), 1)}
             x["end_of_context_ratio"] = round(x["decode_tok_s_end_of_context"] / x["decode_tok_s"], 2)
-        r["same_tokens"] = ids["rows"] == ids["blocked"]
+        r["same_tokens"] = len(set(map(tuple, ids.values()))) == 1
         out[dtype] = r
     return out
 
@@ -258,15 +264,17 @@ def main() -> int:
     if a.layout_ab:
         results["layout_ab"] = ab = layout_ab(p37, long_text, n, a.repeat)
         results["load_avg_end"] = os.getloadavg()[0]
-        print(f"\n{'KV':8s} {'layout':8s} {'decode@37':>10s} {'decode@end':>11s} {'end/37':>7s}  decode module")
+        print(f"\n{'KV':8s} {'decode':8s} {'layout':8s} {'decode@37':>10s} {'decode@end':>11s} {'end/37':>7s}")
         for dtype, r in ab.items():
-            for lay in ("rows", "blocked"):
-                x = r[lay]
-                print(f"{dtype:8s} {lay:8s} {x['decode_tok_s']:10.1f} {x['decode_tok_s_end_of_context']:11.1f} "
-                      f"{x['end_of_context_ratio']:7.2f}  {x['decode_choice']['chosen']}")
-            print(f"{'':8s} blocked/rows: decode@37 {r['blocked']['decode_tok_s'] / r['rows']['decode_tok_s']:.2f}x, "
-                  f"decode@end {r['blocked']['decode_tok_s_end_of_context'] / r['rows']['decode_tok_s_end_of_context']:.2f}x"
-                  f"; same tokens: {r['same_tokens']}")
+            for kind in ("serial", "parallel"):
+                for lay in ("rows", "blocked"):
+                    x = r[kind][lay]
+                    print(f"{dtype:8s} {kind:8s} {lay:8s} {x['decode_tok_s']:10.1f} "
+                          f"{x['decode_tok_s_end_of_context']:11.1f} {x['end_of_context_ratio']:7.2f}")
+                b, w = r[kind]["blocked"], r[kind]["rows"]
+                print(f"{'':17s} blocked/rows: decode@37 {b['decode_tok_s'] / w['decode_tok_s']:.2f}x, decode@end "
+                      f"{b['decode_tok_s_end_of_context'] / w['decode_tok_s_end_of_context']:.2f}x")
+            print(f"{'':17s} same tokens in all four: {r['same_tokens']}")
         print(f"(tok/s, {n} greedy tokens, medians of {a.repeat} interleaved rounds; load average "
               f"{results['load_avg_start']:.2f} -> {results['load_avg_end']:.2f} on {results['cpus']} CPUs)")
         print(f"wrote {write_json('llm_layout_ab.json', results)}")

@@ -171,14 +171,22 @@ def test_logits_match_reference(llm, ref, tok):
     print(f"prefill max |Δlogit| {err:.2e} at 5 prompt lengths (|logit| up to {np.abs(want).max():.1f})")
     assert err < LOGIT_TOL
     llm.prefill(ids, 0)
-    # decode: three steps of KV-resident decode against the reference's decode
-    t, p = int(want[-1].argmax()), n
-    for _ in range(3):
-        d = llm.decode(t, p)
-        w = ref.decode(t, p)
-        err = float(np.abs(d - w).max())
-        assert err < LOGIT_TOL, err
-        t, p = int(w.argmax()), p + 1
+    # decode: three steps of KV-resident decode against the reference's decode, with each decode
+    # module (the load keeps the faster; decode_parallel splits each KV head's positions in two and
+    # merges the parts, here 3 KV blocks split 1 + 2)
+    chosen = llm.decode_kind
+    try:
+        for kind in ("serial", "parallel"):
+            llm.use_decode(kind)
+            t, p = int(want[-1].argmax()), n
+            for _ in range(3):
+                d = llm.decode(t, p)
+                w = ref.decode(t, p)
+                err = float(np.abs(d - w).max())
+                assert err < LOGIT_TOL, (kind, err)
+                t, p = int(w.argmax()), p + 1
+    finally:
+        llm.use_decode(chosen)
 
 
 _GREEDY: dict = {}  # (ids, n) -> the reference's answer: test_llm_kv asks for the same prompts

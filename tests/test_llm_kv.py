@@ -131,9 +131,15 @@ def test_narrow_kv_past_256_positions(llm16, ref, tok):
         _REF["long"] = steps
     want = _REF["long"]
     errs = [float(np.abs(llm16.prefill(ids, 0) - want[0]).max())]
-    for i in range(5):
-        d = llm16.decode(int(want[i].argmax()), len(ids) + i)
-        errs.append(float(np.abs(d - want[i + 1]).max()))
+    chosen = llm16.decode_kind
+    try:  # both decode modules (decode_parallel splits each KV head's ~28 blocks of 16 positions in two)
+        for kind in ("serial", "parallel"):
+            llm16.use_decode(kind)
+            for i in range(5):
+                d = llm16.decode(int(want[i].argmax()), len(ids) + i)
+                errs.append(float(np.abs(d - want[i + 1]).max()))
+    finally:
+        llm16.use_decode(chosen)
     print(f"{len(ids)}-token prompt: max |Δlogit| {llm16.kv_dtype} KV vs f32 reference {max(errs):.3f} "
           f"(prefill + 5 decode steps)")
     assert max(errs) < LOGIT_TOL[llm16.kv_dtype], errs

@@ -195,6 +195,21 @@ class DeviceLLM:
                   chosen)
         return {"chosen": chosen, "serial_ms": round(med["decode"], 2), "parallel_ms": round(med["decode_parallel"], 2)}
 
+    def use_decode(self, kind: str) -> None:
+        """Run the following decode steps on the "serial" or "parallel" decode
+        module (what the load-time choice sets; for A/B runs and tests)."""
+        if kind not in ("serial", "parallel"):
+            raise LLMError(f"decode module {kind!r}: use serial or parallel")
+        name = "decode" if kind == "serial" else "decode_parallel"
+        if name not in self.handles:
+            raise LLMError(f"this package has no {name} module")
+        self._decode_name = name
+
+    @property
+    def decode_kind(self) -> str:
+        """The decode module the steps run on: "serial" or "parallel"."""
+        return "serial" if self._decode_name == "decode" else "parallel"
+
     # ---------------------------------------------------------------- calls
     def _infer(self, name: str, inputs: list[np.ndarray], resident: bool):
         c = self.client
