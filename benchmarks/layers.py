@@ -1,7 +1,7 @@
 """Where a compiled model's time goes: per kernel type in the dspx module vs per
 operator type in onnxruntime's whole-graph run of the same ONNX file.
 
-    python benchmarks/layers.py [--models resnet18,resnet50,shufflenet] [--runs 20] [--threads 2]
+    python benchmarks/layers.py [--models resnet18,resnet50,shufflenet] [--runs 20] [--threads 2] [--subgraph]
 
 For each model: the module (compiled with kernels, cached under
 benchmarks/results/build) is loaded in-process with the device's loader; every
@@ -33,6 +33,8 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="resnet18,resnet50,shufflenet")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--subgraph", action="store_true",
+                    help="modules with their supported prefix in one onnx_subgraph call (DSPX_SUBGRAPH=1)")
     a = ap.parse_args(argv)
     for var in ("OMP_NUM_THREADS", "TVM_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(a.threads)
@@ -61,9 +63,9 @@ def main(argv=None) -> None:
     for name in [m.strip() for m in a.models.split(",") if m.strip()]:
         src = (examples.build_all(BUILD / "onnx")["resnet18"] if name == "resnet18"
                else examples.light(name, BUILD / "onnx" / f"light-{name}.onnx"))
-        out = BUILD / f"{name}-k"
+        out = BUILD / f"{name}-k{'-sg' if a.subgraph else ''}"
         if not (out / "metadata.json").is_file():
-            compile_onnx(src, out, progress=False)
+            compile_onnx(src, out, progress=False, subgraph=a.subgraph)
         meta = json.loads((out / "metadata.json").read_text())
         mod = loader.load_module((out / "model.so").read_bytes(), kernels.names())
         x = examples.random_inputs(meta)[0]
