@@ -151,6 +151,10 @@ def test_packed_weights_are_the_gguf_values():
 
 def test_logits_match_reference(llm, ref, tok):
     ids = tok.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    # stale KV bytes past the position must never reach the output: NaN (0xFF bytes) everywhere first
+    # (the attention reads whole 16-position blocks and masks the positions after the query's)
+    for off in llm.kv_offsets:
+        llm.client.kv_view(off, llm.kv_shape, llm.kv_dtype).view(np.uint8)[...] = 0xFF
     n = len(ids)
     idarr = np.zeros((1, 64), np.int64)
     idarr[0, :n] = ids

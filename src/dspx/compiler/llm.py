@@ -684,7 +684,7 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
         vb = T.decl_buffer((HKV, NBK, KBLK), KD, data=vc.data)
         ksc = T.decl_buffer((HKV, NBK, KBLK // 4), "float32", data=kc.data)
         vsc = T.decl_buffer((HKV, NBK, KBLK // 4), "float32", data=vc.data)
-        part = T.alloc_buffer((M * HKV * NS, G, HD + 2), "float32")  # NS > 1: o, max, sum of each part
+        part = T.alloc_buffer((M * HKV * NS if NS > 1 else 1, G, HD + 2), "float32")  # o, max, sum of each part
         for it in rows(M * HKV * NS):
             qr = T.alloc_buffer((G, HD), "float32", scope=REG)
             acc = T.alloc_buffer((G, 4, KB), "float32", scope=REG)  # 4 partial sums: 12 FMA chains
