@@ -84,6 +84,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--spin-ab", action="store_true", help="also the subgraph module with DSPX_SUBGRAPH_SPIN=0")
     ap.add_argument("--cpu1", action="store_true", help="also CPU time per call at 1 thread, in one process")
+    ap.add_argument("--env-ab", action="append", default=[], metavar="NAME=VALUE",
+                    help="also the subgraph module with this environment (NAME=VALUE[,NAME=VALUE...], e.g. "
+                         "DSPX_SUBGRAPH_BLOCK_BASE=4); repeatable")
     a = ap.parse_args(argv)
     import numpy as np
 
@@ -106,6 +109,9 @@ def main(argv=None) -> None:
         if a.spin_ab:
             workers["subgraph_nospin"] = infer.Worker("tvm", builds["subgraph"][0], a.threads,
                                                       {"DSPX_SUBGRAPH_SPIN": "0"})
+        for kv in a.env_ab:  # NAME=VALUE[,NAME=VALUE...]
+            env = dict(pair.partition("=")[::2] for pair in kv.split(","))
+            workers[f"subgraph {kv}"] = infer.Worker("tvm", builds["subgraph"][0], a.threads, env)
         try:
             ref = np.array(workers["ort"].out)
             entry["max_abs_diff_vs_ort"] = {k: float(np.max(np.abs(np.array(w.out) - ref)))
@@ -128,12 +134,12 @@ def main(argv=None) -> None:
     path.write_text(json.dumps(report, indent=2))
     print(f"\nin-process module vs onnxruntime whole graph, {a.threads} threads, {a.runs} calls each, interleaved "
           f"(load avg {report['loadavg_start'][0]:.2f} -> {report['loadavg_end'][0]:.2f})")
-    print(f"{'model':12} {'candidate':16} {'median':>9} {'p10':>9} {'paired ÷ ORT':>13} {'max|diff|':>10}")
+    print(f"{'model':12} {'candidate':36} {'median':>9} {'p10':>9} {'paired ÷ ORT':>13} {'max|diff|':>10}")
     for m, e in report["models"].items():
         for k, med in e["median_ms"].items():
             pv = e["paired_vs_ort"].get(k)
             diff = e["max_abs_diff_vs_ort"].get(k)
-            print(f"{m:12} {k:16} {med:7.2f}ms {e['p10_ms'][k]:7.2f}ms "
+            print(f"{m:12} {k:36} {med:7.2f}ms {e['p10_ms'][k]:7.2f}ms "
                   f"{'' if pv is None else f'{pv:13.3f}':>13} {'' if diff is None else f'{diff:10.2e}':>10}")
         print(f"{m:12} {'subgraph ÷ op-by-op (paired)':30} {e['paired_subgraph_vs_opbyop']:.3f}; compile wall "
               + ", ".join(f"{k} {v['wall_s']:.1f} s" for k, v in e["compile"].items()))

@@ -972,6 +972,10 @@ def layernorm(data, gamma, beta, eps, out):
 # DSPX_SUBGRAPH_SPIN=0 turns the subgraph session's spinning off (default on,
 # as onnxruntime's own whole-graph session: one pool, woken once per call).
 _SUBGRAPH_SPIN = os.environ.get("DSPX_SUBGRAPH_SPIN", "1") != "0"
+# DSPX_SUBGRAPH_BLOCK_BASE=N: onnxruntime's session.dynamic_block_base (work
+# split in shrinking blocks, so a descheduled thread's share is taken over);
+# a candidate for shared cores, off by default (not measured quietly)
+_SUBGRAPH_BLOCK_BASE = os.environ.get("DSPX_SUBGRAPH_BLOCK_BASE", "")
 
 
 class _Subgraph:
@@ -1010,9 +1014,11 @@ class _Subgraph:
         self.names = [vi.name for vi in data]
         self.outs = [vi.name for vi in g.output]
         self.out_types = list(g.output)
+        so = ort_session_options(spin=_SUBGRAPH_SPIN)
+        if _SUBGRAPH_BLOCK_BASE.isdigit():
+            so.add_session_config_entry("session.dynamic_block_base", _SUBGRAPH_BLOCK_BASE)
         try:
-            self.sess = ort.InferenceSession(m.SerializeToString(), ort_session_options(spin=_SUBGRAPH_SPIN),
-                                             providers=["CPUExecutionProvider"])
+            self.sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
         except Exception as e:  # noqa: BLE001 - onnxruntime refuses the graph
             raise KernelError(f"onnx_subgraph: onnxruntime cannot build the graph: {str(e).splitlines()[0][:300]}") \
                 from None
