@@ -33,8 +33,10 @@ What is measured (wall clock in the host process, medians of --repeat runs):
 - llama.cpp (llama-cpp-python on the same GGUF and token ids, 1 and 2
   threads), when it is importable: it builds from source in ~15 min and is
   not a dependency of the project (``CMAKE_ARGS="-DGGML_NATIVE=ON" pip
-  install llama-cpp-python==0.3.36``).  Ratios dspx / llama.cpp 2 threads are
-  taken in this one run (goals: prefill >= 1.5x, decode >= 1.2x).
+  install llama-cpp-python==0.3.36``), measured in the same interleaved
+  rounds as the packages.  Ratios dspx / llama.cpp 2 threads are paired per
+  round (median over the rounds of llama.cpp's time / dspx's time; goals:
+  prefill >= 1.5x, decode >= 1.2x).
 
 Prints a table and writes benchmarks/results/llm.json.
 """
@@ -75,52 +77,55 @@ def decode_run(step, first_logits, start, n):
     return time.perf_counter() - t0, ids
 
 
-def bench_llama_cpp(p37, p256, n: int, repeat: int) -> dict:
-    """llama.cpp on the same GGUF and token ids, 1 and 2 threads: prefill by
-    eval() of the prompt, decode by greedy eval() of one token at a time."""
-    import numpy as np
-    from llama_cpp import Llama
+class LlamaCpp:
+    """llama.cpp on the same GGUF and token ids at ``threads``, measured inside
+    bench_dspx's rounds: prefill by eval() of the prompt, decode by greedy
+    eval() of one token at a time."""
 
-    from dspx.llm import find_default_gguf
+    def __init__(self, threads: int):
+        from llama_cpp import Llama
 
-    out = {}
-    for threads in (1, 2):
-        llm = Llama(model_path=str(find_default_gguf()), n_ctx=256, n_batch=64, n_threads=threads,
-                    n_threads_batch=threads, logits_all=False, verbose=False)
-        r = {}
+        from dspx.llm import find_default_gguf
+
+        self.llm = Llama(model_path=str(find_default_gguf()), n_ctx=256, n_batch=64, n_threads=threads,
+                         n_threads_batch=threads, logits_all=False, verbose=False)
+
+    def round(self, p37, p256, n: int) -> dict:
+        """Seconds of one prefill of each prompt and of n decode steps from 37."""
+        llm, out = self.llm, {}
         for name, ids in (("37", p37), ("256", p256)):
-            ts = []
-            for _ in range(repeat):
-                llm.reset()
-                t0 = time.perf_counter()
-                llm.eval(ids)
-                ts.append(time.perf_counter() - t0)
-            r[f"prefill_tok_s_{name}"] = round(len(ids) / med(ts), 1)
-        ts = []
-        for _ in range(repeat):
             llm.reset()
-            llm.eval(p37)
             t0 = time.perf_counter()
-            for _ in range(n):
-                # the last token's logits (logits_all=False keeps no scores table)
-                tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
-                llm.eval([tok])
-            ts.append(time.perf_counter() - t0)
-        r["decode_tok_s"] = round(n / med(ts), 1)
-        out[f"{threads} thread" + ("s" if threads > 1 else "")] = r
-        del llm
-    return out
+            llm.eval(ids)
+            out[f"prefill_{name}"] = time.perf_counter() - t0
+        llm.reset()
+        llm.eval(p37)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            # the last token's logits (logits_all=False keeps no scores table)
+            tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+            llm.eval([tok])
+        out["decode_resident"] = time.perf_counter() - t0
+        return out
+
+    def close(self):
+        del self.llm
 
 
-def bench_dspx(model_dirs: dict, p37, p256, long_text, n: int, repeat: int, non_resident: str) -> dict:
+def bench_dspx(model_dirs: dict, p37, p256, long_text, n: int, repeat: int, non_resident: str,
+               peers: dict | None = None) -> dict:
     """Every package of ``model_dirs`` ({key: dir}) loaded at once, each on its
     own device, and measured in interleaved rounds (round i measures each
-    package in turn), so the rows share the machine's state: one package
-    measured after another saw a different load (the f16 row of the last
-    quiet run, 1.18x, was measured between the other two)."""
+    package in turn, then each of ``peers`` ({key: LlamaCpp})), so the rows
+    share the machine's state: one package measured after another saw a
+    different load (the f16 row of the last quiet run, 1.18x, was measured
+    between the other two), and llama.cpp measured after all of dspx moved
+    the ratios by up to 1.7x between two quiet runs.  Each peer's ratios are
+    paired per round (``per_round_vs``: median over rounds of the peer's time
+    / the package's)."""
     from dspx.host.llm import DeviceLLM
 
-    llms, res = {}, {}
+    llms, res, peers = {}, {}, peers or {}
     try:
         for key, d in model_dirs.items():
             t0 = time.perf_counter()
@@ -145,6 +150,9 @@ def bench_dspx(model_dirs: dict, p37, p256, long_text, n: int, repeat: int, non_
                 first = llm.prefill(long_text[:start])
                 dt, _ = decode_run(llm.decode, first, start, n)
                 t.setdefault("decode_end", []).append(dt)
+            for key, peer in peers.items():
+                for k, v in peer.round(p37, p256, n).items():
+                    ts.setdefault(key, {}).setdefault(k, []).append(v)
         for key, llm in llms.items():
             t, dev = ts[key], res[key]
             for name, ids in (("37", p37), ("256", p256)):
@@ -160,8 +168,16 @@ def bench_dspx(model_dirs: dict, p37, p256, long_text, n: int, repeat: int, non_
             dev["logits_bytes_per_token"] = 4 * llm.vocab
             dev["load_warnings"] = llm.load_warnings
             dev["decode_choice"] = llm.decode_choice
+            dev["per_round_vs"] = {
+                peer: {m: round(med([b / a for a, b in zip(t[m], ts[peer][m])]), 2)
+                       for m in ("prefill_37", "prefill_256", "decode_resident")} for peer in peers}
+        for key in peers:
+            t = ts[key]
+            res[key] = {"prefill_tok_s_37": round(len(p37) / med(t["prefill_37"]), 1),
+                        "prefill_tok_s_256": round(len(p256) / med(t["prefill_256"]), 1),
+                        "decode_tok_s": round(n / med(t["decode_resident"]), 1)}
     finally:
-        for llm in llms.values():
+        for llm in [*llms.values(), *peers.values()]:
             llm.close()
     return res
 
@@ -282,7 +298,15 @@ def main() -> int:
 
     dirs = {"dspx": model_dir, "dspx_f16kv": compiled_dir(progress=True, context=512, kv_dtype="float16"),
             "dspx_int8kv": compiled_dir(progress=True, context=1024, kv_dtype="int8")}
-    results.update(bench_dspx(dirs, p37, p256, long_text, n, a.repeat, non_resident="dspx"))
+    try:
+        peers = {f"llama_cpp_{t}t": LlamaCpp(t) for t in (1, 2)}
+    except ImportError:
+        peers = {}
+    results.update(bench_dspx(dirs, p37, p256, long_text, n, a.repeat, non_resident="dspx", peers=peers))
+    if peers:
+        results["llama_cpp"] = {"1 thread": results.pop("llama_cpp_1t"), "2 threads": results.pop("llama_cpp_2t")}
+    else:
+        results["llama_cpp"] = "skipped: llama-cpp-python is not installed (building it takes ~15 min)"
     results["load_s"] = results["dspx"].pop("load_s")
     for key in ("dspx_f16kv", "dspx_int8kv"):
         results[key]["same_tokens_as_f32kv"] = results[key]["ids_resident"] == results["dspx"]["ids_resident"]
@@ -308,18 +332,12 @@ def main() -> int:
         rr["decode_tok_s"] = round(n / med(ts), 1)
         rr["same_tokens_as_dspx"] = toks == results["dspx"]["ids_resident"]
         results["reference"] = rr
-    try:
-        results["llama_cpp"] = bench_llama_cpp(p37, p256, n, a.repeat)
-    except ImportError:
-        results["llama_cpp"] = "skipped: llama-cpp-python is not installed (building it takes ~15 min)"
     results["load_avg_end"] = os.getloadavg()[0]
 
     d, h, q = results["dspx"], results["dspx_f16kv"], results["dspx_int8kv"]
     lc = results["llama_cpp"]
     base = lc.get("2 threads") if isinstance(lc, dict) else None
 
-    def ratio(v, key):
-        return f"{v / base[key]:.2f}x" if base else ""
     rows = [(f"dspx f32 KV (ctx {d['context']})", d["prefill_tok_s_37"], d["prefill_tok_s_256"],
              d["decode_tok_s_resident"], d["decode_tok_s_end_of_context"], d["bytes_per_token_resident"]),
             (f"dspx f16 KV (ctx {h['context']})", h["prefill_tok_s_37"], h["prefill_tok_s_256"],
@@ -342,15 +360,15 @@ def main() -> int:
     for name, p1, p2, dd, de, b in rows:
         print(f"{name:28s} {p1!s:>11s} {p2!s:>12s} {dd!s:>9s} {de!s:>11s} {b if b == '' else f'{b:,}':>12s}")
     for name, x in (("f32 KV", d), ("f16 KV", h), ("int8 KV", q)):
-        if base:
-            x["vs_llama_cpp_2t"] = {k: round(x[k] / base[b], 2) for k, b in (
-                ("prefill_tok_s_37", "prefill_tok_s_37"), ("prefill_tok_s_256", "prefill_tok_s_256"),
-                ("decode_tok_s_resident", "decode_tok_s"))}
-        print(f"dspx {name} / llama.cpp 2 threads: prefill 37 {ratio(x['prefill_tok_s_37'], 'prefill_tok_s_37')} "
-              f"(goal 1.5x), prefill 256 {ratio(x['prefill_tok_s_256'], 'prefill_tok_s_256')} (goal 1.5x), decode "
-              f"{ratio(x['decode_tok_s_resident'], 'decode_tok_s')} (goal 1.2x); decode at the end of the context / "
-              f"at 37: {x['end_of_context_ratio']}x (goal 0.8x)" if base else
-              f"dspx {name}: decode at the end of the context / at 37: {x['end_of_context_ratio']}x (goal 0.8x)")
+        if base:  # paired per round: the median of (llama.cpp's time / dspx's time) over the rounds
+            v = x["per_round_vs"]["llama_cpp_2t"]
+            x["vs_llama_cpp_2t"] = {"prefill_tok_s_37": v["prefill_37"], "prefill_tok_s_256": v["prefill_256"],
+                                    "decode_tok_s_resident": v["decode_resident"]}
+            print(f"dspx {name} / llama.cpp 2 threads, paired per round: prefill 37 {v['prefill_37']:.2f}x "
+                  f"(goal 1.5x), prefill 256 {v['prefill_256']:.2f}x (goal 1.5x), decode {v['decode_resident']:.2f}x "
+                  f"(goal 1.2x); decode at the end of the context / at 37: {x['end_of_context_ratio']}x (goal 0.8x)")
+        else:
+            print(f"dspx {name}: decode at the end of the context / at 37: {x['end_of_context_ratio']}x (goal 0.8x)")
     print(f"(tok/s; decode = {n} greedy tokens from position 37, decode@end = {n} tokens ending at the context; "
           f"KV-resident / non-resident = {d['resident_speedup']}x, same tokens: {d['same_tokens']}; same tokens as "
           f"f32 KV: f16 {h['same_tokens_as_f32kv']}, int8 {q['same_tokens_as_f32kv']}; decode modules chosen at "
