@@ -130,8 +130,9 @@ def example_onnx():
 
 @pytest.fixture(scope="session")
 def compiled(example_onnx):
-    """compiled(name, separate=False, kernels=False) -> directory of a compiled
-    example module, cached in .cache/dspx across sessions."""
+    """compiled(name, separate=False, kernels=False, op_by_op=False) -> directory
+    of a compiled example module, cached in .cache/dspx across sessions
+    (kernels=True hands the graph to one onnx_subgraph call unless op_by_op)."""
     import shutil
     from pathlib import Path
 
@@ -144,11 +145,11 @@ def compiled(example_onnx):
         if stale != root:
             shutil.rmtree(stale, ignore_errors=True)
 
-    def get(name: str, separate: bool = False, kernels: bool = False) -> Path:
-        out = root / f"{name}{'-sep' if separate else ''}{'-k' if kernels else ''}"
+    def get(name: str, separate: bool = False, kernels: bool = False, op_by_op: bool = False) -> Path:
+        out = root / f"{name}{'-sep' if separate else ''}{'-k' if kernels else ''}{'-op' if op_by_op else ''}"
         if not (out / "metadata.json").exists():
             compile_onnx(example_onnx[name], out, separate_weights=separate, kernels=kernels, progress=False,
-                         verifier=verifier)
+                         verifier=verifier, subgraph=False if op_by_op else None)
         return out
 
     yield get

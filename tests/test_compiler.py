@@ -232,9 +232,11 @@ def test_verification_catches_a_wrong_module(tmp_path, monkeypatch, verifier):
 
     monkeypatch.setattr(kernel_rewrite._Matcher, "plan_conv", no_relu)
     with pytest.raises(CompileError, match=r"verification failed: output 'y' differs from onnxruntime"):
-        compile_onnx(_relu_conv(tmp_path), tmp_path / "out", kernels=True, progress=False, verifier=verifier)
+        compile_onnx(_relu_conv(tmp_path), tmp_path / "out", kernels=True, progress=False, verifier=verifier,
+                     subgraph=False)
     # --no-verify keeps the (wrong) module
-    meta = compile_onnx(_relu_conv(tmp_path), tmp_path / "out2", kernels=True, progress=False, verify=False)
+    meta = compile_onnx(_relu_conv(tmp_path), tmp_path / "out2", kernels=True, progress=False, verify=False,
+                        subgraph=False)
     assert meta["verify"] is None
 
 
@@ -343,6 +345,6 @@ def test_batchnorm_folded_and_sum_fused_into_the_conv_kernel(tmp_path, verifier)
                             helper.make_node("Relu", ["s"], ["y"])],
                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 6, 6])],
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 6, 6])], inits)
-    meta = compile_onnx(path, tmp_path / "out", progress=False, verifier=verifier)
+    meta = compile_onnx(path, tmp_path / "out", progress=False, verifier=verifier, subgraph=False)
     assert meta["kernel_imports"] == ["dspx.kernels.conv2d_add"]
     assert meta["verify"]["reference"] == "onnxruntime" and meta["verify"]["max_abs_error"]["y"] < 1e-4

@@ -232,7 +232,7 @@ def _elf_cases(so: bytes, so_k: bytes):
 
 def test_bad_modules_are_refused_by_name(shared_device, client_of, compiled):
     so = (compiled("multi_output") / "model.so").read_bytes()
-    so_k = (compiled("multi_output", kernels=True) / "model.so").read_bytes()
+    so_k = (compiled("multi_output", kernels=True, op_by_op=True) / "model.so").read_bytes()  # imports softmax
     c = client_of(shared_device.path)
     start = c.pools()
     for what, data, exc, text in _elf_cases(so, so_k):

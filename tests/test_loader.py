@@ -208,7 +208,7 @@ def test_missing_entry(tmp_path):
 
 def test_kernel_import_not_exported(compiled):
     _kernel_library()
-    out = compiled("multi_output", kernels=True)
+    out = compiled("multi_output", kernels=True, op_by_op=True)
     sig = _load(out, {"dspx.kernels.dense", "dspx.kernels.softmax"}).signature
     assert sig.kernel_imports
     with pytest.raises(SymbolError, match=sig.kernel_imports[0]) as e:

@@ -36,7 +36,7 @@ def _vm(path, directory, **kw):
 @pytest.fixture(scope="module")
 def r18(shared_device, compiled):
     """One ResNet-18 (with kernels) on the module's device: loading it is the slow part."""
-    vm = _vm(shared_device.path, compiled("resnet18", kernels=True))
+    vm = _vm(shared_device.path, compiled("resnet18", kernels=True, op_by_op=True))
     yield vm
     c = vm.client
     vm.close()

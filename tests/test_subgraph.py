@@ -195,3 +195,23 @@ def test_one_session_per_graph_and_weights_whatever_the_data():
                                                                     (1, 1), 1), 0) + x, atol=1e-4, rtol=0)
     assert sum(isinstance(v[1], K._Subgraph) for v in K._cache.values()) == 1
     K.clear_caches()
+
+
+def test_cli_offloads_by_default_and_op_by_op_keeps_one_call_per_operator(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from dspx.cli import main
+
+    monkeypatch.delenv("DSPX_SUBGRAPH", raising=False)
+    src = str(_model(tmp_path / "m.onnx"))
+    metas = {}
+    for name, extra in (("default", []), ("op-by-op", ["--op-by-op"])):
+        r = CliRunner().invoke(main, ["compile", src, "-o", str(tmp_path / name), "--no-verify", "--json", *extra])
+        assert r.exit_code == 0, r.output
+        metas[name] = json.loads(r.output[r.output.index("{"):])
+    (part,) = metas["default"]["subgraphs"]
+    assert part["ops"] == {"Conv": 1, "Relu": 1, "MaxPool": 1}
+    assert "dspx.kernels.onnx_subgraph" in metas["default"]["kernel_imports"]
+    assert metas["op-by-op"]["subgraphs"] == []
+    assert "dspx.kernels.onnx_subgraph" not in metas["op-by-op"]["kernel_imports"]
+    assert "dspx.kernels.conv2d" in " ".join(metas["op-by-op"]["kernel_imports"])

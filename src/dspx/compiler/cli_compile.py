@@ -23,6 +23,9 @@ def _shape(t: dict) -> str:
               help="directory for model.so, metadata.json (and weights.bin)")
 @click.option("--separate-weights", is_flag=True, help="write the weights to weights.bin, sent to the device on their own (MODEL_LOAD)")
 @click.option("--no-kernels", is_flag=True, help="generate every operator with TVM; call no firmware kernels")
+@click.option("--op-by-op", is_flag=True,
+              help="one firmware kernel call per operator, instead of handing the longest supported run of "
+                   "operators to one onnx_subgraph call (the default; docs/kernels.md, Subgraphs)")
 @click.option("--target", default=None,
               help="CPU to generate code for: x86-64-v3 (default: portable to any AVX2 machine, no slower "
                    "here), native (this machine's CPU), x86-64-v4 (AVX-512), x86-64-v2, or an LLVM CPU name "
@@ -44,7 +47,7 @@ def _shape(t: dict) -> str:
               metavar="INPUTS.npz",
               help="calibration inputs for --quantize: one array per model input, samples along axis 0")
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
-def compile_cmd(model, outdir, separate_weights, no_kernels, target, weights, shapes, dims, no_verify, quantize,
+def compile_cmd(model, outdir, separate_weights, no_kernels, op_by_op, target, weights, shapes, dims, no_verify, quantize,
                 calibrate, as_json):
     """Compile an ONNX MODEL into a module the device loads at run time (DYN_LOAD).
 
@@ -54,7 +57,7 @@ def compile_cmd(model, outdir, separate_weights, no_kernels, target, weights, sh
     from dspx.compiler.onnx import CompileError, compile_onnx
 
     try:
-        meta = compile_onnx(model, outdir, separate_weights=separate_weights, kernels=not no_kernels,
+        meta = compile_onnx(model, outdir, separate_weights=separate_weights, kernels=not no_kernels, subgraph=False if op_by_op else None,
                             target=target, verify=not no_verify, shapes=parse_shapes(shapes),
                             dims=parse_dims(dims), weights=weights, progress=not as_json, quantize=quantize,
                             calibrate=calibrate)

@@ -270,8 +270,8 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
     quantize / calibrate: "int8" and the .npz of calibration inputs: int8
         post-training quantization (dspx.compiler.quantize, docs/quantize.md).
     subgraph: hand the longest supported prefix of the graph to one
-        onnx_subgraph kernel call (dspx.compiler.subgraph; default off unless
-        DSPX_SUBGRAPH=1; float32 weights with kernels only).
+        onnx_subgraph kernel call (dspx.compiler.subgraph; default on unless
+        DSPX_SUBGRAPH=0; float32 weights with kernels only).
     """
     import tvm
     from tvm import relax
