@@ -33,8 +33,8 @@ def main() -> int:
         st = dev.status()
         print(f"protocol {st['version']}, ping median {rtts[100]:.0f} µs")
         pools = dev.pools()
-        print(f"carveout {pools['carveout_total'] >> 20} MiB (staging at 0x{dev.staging.dsp_addr:X}), "
-              f"DDR pool {pools['ddr_total'] >> 20} MiB, {pools['cores']} core(s)")
+        print(f"carveout {pools['carveout_total'] >> 20} MiB, DDR pool {pools['ddr_total'] >> 20} MiB, "
+              f"{pools['cores']} core(s); staging is attached on the first call that needs it")
 
         step("compile ResNet-18 (cached after the first run)")
         from dspx.compiler import examples
@@ -61,7 +61,8 @@ def main() -> int:
                 vm["main"](x)
                 times.append(time.perf_counter() - t)
             print(f"output {y.shape} {y.dtype}, top-5 classes {np.argsort(y[0])[::-1][:5].tolist()}")
-            print(f"latency {np.median(times) * 1e3:.1f} ms (device cycles {vm.last_cycles:,})")
+            print(f"latency {np.median(times) * 1e3:.1f} ms (device cycles {vm.last_cycles:,}); "
+                  f"staging at 0x{dev.staging.dsp_addr:X}")
         import onnxruntime as ort
         sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
         ref = sess.run(None, {sess.get_inputs()[0].name: x})[0]
