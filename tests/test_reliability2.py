@@ -654,3 +654,29 @@ def test_a_load_aborted_in_the_middle_of_an_import_restarts_its_core_and_later_l
         assert core not in children(d), d.output()
     finally:
         d.stop()
+
+
+def test_cores_start_with_a_short_tvm_spin_unless_the_caller_sets_one():
+    """TVM's pool spins ~0.3 s after each parallel region by default, taking
+    half the CPU from whatever runs next on a 2-vCPU machine; cores get a
+    short spin, and a caller's own setting wins."""
+    from dspx.device.front.cores import TVM_SPIN_COUNT
+
+    def core_env(d):
+        (core,) = [p for p in psutil.Process(d.proc.pid).children() if "--index" in p.cmdline()]
+        return core.environ()
+
+    d = Device("--carveout-size", "64M", "--ddr-pool-size", "64M")
+    try:
+        assert core_env(d)["TVM_THREAD_POOL_SPIN_COUNT"] == str(TVM_SPIN_COUNT) == "5000"
+    finally:
+        d.stop()
+    os.environ["TVM_THREAD_POOL_SPIN_COUNT"] = "123"
+    try:
+        d = Device("--carveout-size", "64M", "--ddr-pool-size", "64M")
+    finally:
+        del os.environ["TVM_THREAD_POOL_SPIN_COUNT"]
+    try:
+        assert core_env(d)["TVM_THREAD_POOL_SPIN_COUNT"] == "123"
+    finally:
+        d.stop()

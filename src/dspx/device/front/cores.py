@@ -25,6 +25,15 @@ from .. import jobs
 OWNED_JOBS = (jobs.Call, jobs.LoadModule, jobs.UnloadModule, jobs.LoadWeights, jobs.LoadOps)
 
 
+# TVM's pool workers sched_yield-spin 300,000 times (some 0.2-0.5 s here)
+# after each parallel region before they sleep: on 2 vCPUs that took half
+# the CPU from the next call of another core or device (a 37-token LLM
+# prefill right after another device's work: 271 against 468 tok/s).  5,000
+# keeps them awake across the gaps inside a call and between decode steps
+# (docs/llm.md, session 5).  The caller's own value wins.
+TVM_SPIN_COUNT = 5000
+
+
 class CoreProc:
     #: how a core process is started (the benchmarks start an instrumented one)
     COMMAND = (sys.executable, "-m", "dspx.device.core")
@@ -62,6 +71,7 @@ class CoreProc:
         env = dict(os.environ if self.env is None else self.env)
         if self.threads:
             env.setdefault("OMP_NUM_THREADS", str(self.threads))
+        env.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(TVM_SPIN_COUNT))
         self.proc = subprocess.Popen(
             [*self.COMMAND, "--fd", str(child.fileno()), "--status-fd", str(status_fd),
              "--index", str(self.index), "--threads", str(self.threads)],
