@@ -215,3 +215,20 @@ def test_cli_offloads_by_default_and_op_by_op_keeps_one_call_per_operator(tmp_pa
     assert metas["op-by-op"]["subgraphs"] == []
     assert "dspx.kernels.onnx_subgraph" not in metas["op-by-op"]["kernel_imports"]
     assert "dspx.kernels.conv2d" in " ".join(metas["op-by-op"]["kernel_imports"])
+
+
+def test_a_call_site_whose_weight_changed_in_place_rebuilds_its_session():
+    """The replayed run holds a copy of the weights; one rewritten in place
+    (a weight fed as an input) fails the sample check and is baked in again."""
+    K.clear_caches()
+    g = _u8(_conv_relu_add())
+    x, w, b = rand(1, 8, 6, 6), rand(8, 8, 3, 3), rand(8)
+    tx, tw, tb = (tvm.runtime.tensor(a) for a in (x, w, b))
+    o1, o2 = (tvm.runtime.tensor(np.zeros((1, 8, 6, 6), np.float32)) for _ in range(2))
+    fn = tvm.get_global_func(KERNEL)
+    for w in (w, rand(8, 8, 3, 3)):
+        tw.copyfrom(w)
+        fn(g, tx, tw, tb, o1, o2)
+        np.testing.assert_allclose(o1.numpy(), np.maximum(ref_conv(x, w, b, (1, 1), (1, 1, 1, 1), (1, 1), 1), 0),
+                                   atol=1e-4, rtol=0)
+    K.clear_caches()

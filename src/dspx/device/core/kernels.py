@@ -107,8 +107,13 @@ def _site_key(short: str, args: tuple) -> tuple | None:
     return tuple(key)
 
 
-def _site_cached(short: str, fn: Callable):
-    weighted = "weight" in ABI[short].inputs  # argument 1: its session holds a copy
+def _site_cached(short: str, fn: Callable, weight_of: Callable[[tuple], Any] | None = None):
+    """fn's kernel with call-site replay.  weight_of(args): the argument whose
+    contents the bound run holds a copy of (default: argument 1 of a kernel
+    with a weight), checked by a sample before each replay."""
+    if weight_of is None and "weight" in ABI[short].inputs:
+        def weight_of(args):
+            return args[1]
 
     def kernel(*args):
         key = _site_key(short, args)
@@ -120,7 +125,8 @@ def _site_cached(short: str, fn: Callable):
         if key is not None and callable(run):
             if len(_sites) >= _MAX_SITES:  # addresses that never repeat: do not grow without end
                 _sites.clear()
-            sample = _weight_sample(_np(args[1])) if weighted else None
+            w = weight_of(args) if weight_of is not None else None
+            sample = _weight_sample(_np(w)) if w is not None else None
             _sites[key] = (run, sample, None if sample is None else sample.tobytes())
     kernel.__name__ = kernel.__qualname__ = fn.__name__
     kernel.__doc__ = fn.__doc__
@@ -1078,17 +1084,23 @@ def _check_value(vi, a: np.ndarray, kind: str) -> None:
         raise KernelError(f"onnx_subgraph: {kind} {vi.name!r} must be contiguous")
 
 
-def onnx_subgraph(*args):
+def onnx_subgraph(*args) -> Callable[[], None]:
     """A run of operators in one call: ``graph`` (uint8, a serialized ONNX
     model of SUBGRAPH_OPS), its inputs in order (data, then weights) and its
     outputs.  One onnxruntime session per graph with the weights prepacked and
     one pool: no per-operator calls, wake-ups or NCHWc reorders between them.
     A call site replays its bound run (see _sites)."""
-    key = _site_key("onnx_subgraph", args)
-    hit = _sites.get(key) if key is not None else None
-    if hit is not None and (hit[1] is None or hit[1].tobytes() == hit[2]):
-        hit[0]()
-        return
+    graph, inputs, outs, n_w = _subgraph_args(args)
+    # one session per graph and weights (not per data: every address set of a call site shares it)
+    wkey = tuple((_addr(a), a.shape, _fingerprint(a)) for a in inputs[len(inputs) - n_w:])
+    sub = _cached(graph, ("subgraph", wkey, len(outs)), lambda: _Subgraph(graph, inputs, len(outs)))
+    run = sub.bind(inputs[:len(sub.names)], outs)
+    run()
+    return run
+
+
+def _subgraph_args(args: tuple) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray], int]:
+    """(graph, inputs, outputs, weights among the inputs) of an onnx_subgraph call."""
     if not args:
         raise KernelError("onnx_subgraph: no graph passed")
     arrays = [_np(a) for a in args]
@@ -1099,19 +1111,13 @@ def onnx_subgraph(*args):
     n_in, n_w = _subgraph_counts(graph)
     if n_in > len(tensors):
         raise KernelError(f"onnx_subgraph: the graph has {n_in} inputs, the call passes {len(tensors)} tensors")
-    inputs, outs = tensors[:n_in], tensors[n_in:]
-    # one session per graph and weights (not per data: every address set of a call site shares it)
-    wkey = tuple((_addr(a), a.shape, _fingerprint(a)) for a in inputs[n_in - n_w:])
-    sub = _cached(graph, ("subgraph", wkey, len(outs)), lambda: _Subgraph(graph, inputs, len(outs)))
-    n_data = len(sub.names)
-    run = sub.bind(inputs[:n_data], outs)
-    run()
-    if key is not None:
-        if len(_sites) >= _MAX_SITES:
-            _sites.clear()
-        w = inputs[n_data:]
-        sample = _weight_sample(w[0]) if w else None
-        _sites[key] = (run, sample, None if sample is None else sample.tobytes())
+    return graph, tensors[:n_in], tensors[n_in:], n_w
+
+
+def _subgraph_weight(args: tuple):
+    """The first weight of an onnx_subgraph call (what its session baked in), or None."""
+    _, inputs, _, n_w = _subgraph_args(args)
+    return inputs[len(inputs) - n_w] if n_w else None
 
 
 def _subgraph_counts(graph: np.ndarray) -> tuple[int, int]:
@@ -1130,9 +1136,11 @@ def _subgraph_counts(graph: np.ndarray) -> tuple[int, int]:
     return _cached(graph, ("subgraph-counts",), count)
 
 
+# registered by hand: its arguments are variadic (the graph's own inputs and outputs)
 KERNELS[PREFIX + "onnx_subgraph"] = KernelSpec(
-    PREFIX + "onnx_subgraph", onnx_subgraph, ABI["onnx_subgraph"].inputs, ABI["onnx_subgraph"].attrs,
-    ABI["onnx_subgraph"].outputs, "onnxruntime", onnx_subgraph.__doc__.strip())
+    PREFIX + "onnx_subgraph", _site_cached("onnx_subgraph", onnx_subgraph, _subgraph_weight),
+    ABI["onnx_subgraph"].inputs, ABI["onnx_subgraph"].attrs, ABI["onnx_subgraph"].outputs, "onnxruntime",
+    onnx_subgraph.__doc__.strip())
 
 
 # ---------------------------------------------------------------- registry
