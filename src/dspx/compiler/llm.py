@@ -498,12 +498,25 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
     RW = HD + 4  # int8 row: 64 values + the float32 scale's 4 bytes
 
     @T.macro
-    def store_q8(row, c, g, p):
-        # symmetric int8 per (head, position): scale = max|x| / 127, stored bit for bit after the values
-        mx = T.alloc_buffer((1,), "float32", scope=REG)
+    def rope_k(row, qkv, cos, sin, r, g, p):
+        # KV head g's key of row r, rotated for position p
+        for i in range(HALF):
+            row[2 * i] = (qkv[r, D + g * HD + 2 * i] * cos[p, i]
+                          - qkv[r, D + g * HD + 2 * i + 1] * sin[p, i])
+            row[2 * i + 1] = (qkv[r, D + g * HD + 2 * i] * sin[p, i]
+                              + qkv[r, D + g * HD + 2 * i + 1] * cos[p, i])
+
+    @T.macro
+    def absmax(row, mx):
         mx[0] = T.float32(0)
         for e in range(HD):
             mx[0] = T.max(mx[0], T.abs(row[e]))
+
+    @T.macro
+    def store_q8(row, c, g, p):
+        # symmetric int8 per (head, position): scale = max|x| / 127, stored bit for bit after the values
+        mx = T.alloc_buffer((1,), "float32", scope=REG)
+        absmax(row, mx)
         inv = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
         for e in range(HD):
             c[0, g, p, e] = T.Cast("int8", T.round(row[e] * inv))
@@ -521,11 +534,7 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
             if p >= 0 and p < C:
                 for g in range(HKV):
                     row = T.alloc_buffer((HD,), "float32", scope=REG)
-                    for i in range(HALF):
-                        row[2 * i] = (qkv[r, D + g * HD + 2 * i] * cos[p, i]
-                                      - qkv[r, D + g * HD + 2 * i + 1] * sin[p, i])
-                        row[2 * i + 1] = (qkv[r, D + g * HD + 2 * i] * sin[p, i]
-                                          + qkv[r, D + g * HD + 2 * i + 1] * cos[p, i])
+                    rope_k(row, qkv, cos, sin, r, g, p)
                     store_q8(row, kc, g, p)
                     for e in range(HD):
                         row[e] = qkv[r, D + HKV * HD + g * HD + e]
@@ -632,9 +641,7 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
     def store_q8_blocked(row, c8, cs, g, p, stride, step):
         # value e of position p at c8[g, p // KB, (p % KB) * step + e * stride]; scale max|x|/127
         mx = T.alloc_buffer((1,), "float32", scope=REG)
-        mx[0] = T.float32(0)
-        for e in range(HD):
-            mx[0] = T.max(mx[0], T.abs(row[e]))
+        absmax(row, mx)
         inv = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
         for e in range(HD):
             c8[g, p // KB, (p % KB) * step + e * stride] = T.Cast("int8", T.round(row[e] * inv))
@@ -654,11 +661,7 @@ def _kernels(d: Dims, M: int, parallel_gemv: bool):
             if p >= 0 and p < C:
                 for g in range(HKV):
                     row = T.alloc_buffer((HD,), "float32", scope=REG)
-                    for i in range(HALF):
-                        row[2 * i] = (qkv[r, D + g * HD + 2 * i] * cos[p, i]
-                                      - qkv[r, D + g * HD + 2 * i + 1] * sin[p, i])
-                        row[2 * i + 1] = (qkv[r, D + g * HD + 2 * i] * sin[p, i]
-                                          + qkv[r, D + g * HD + 2 * i + 1] * cos[p, i])
+                    rope_k(row, qkv, cos, sin, r, g, p)
                     if Q8:
                         store_q8_blocked(row, kb, ksc, g, p, KB, 1)
                         for e in range(HD):
