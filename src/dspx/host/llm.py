@@ -88,6 +88,9 @@ def _status(progress: bool, text: str):
     return Console(stderr=True).status(text)
 
 
+_DECODE_MODULES = {"serial": "decode", "parallel": "decode_parallel"}  # decode kind -> the package's module
+
+
 class DeviceLLM:
     """A compiled LLM loaded on a device (see the module docstring)."""
 
@@ -177,7 +180,7 @@ class DeviceLLM:
         if "decode_parallel" not in self.handles:
             return {"chosen": "serial", "why": "package has no decode_parallel module"}
         if want != "auto":
-            self._decode_name = "decode" if want == "serial" else "decode_parallel"
+            self.use_decode(want)
             return {"chosen": want, "why": "asked"}
         ms = {"decode": [], "decode_parallel": []}
         for rnd in range(4):  # alternate, first round is warm-up
@@ -190,7 +193,7 @@ class DeviceLLM:
         med = {k: float(np.median(v)) for k, v in ms.items()}
         self._decode_name = min(med, key=med.get)
         self.traffic, self.last_traffic = Traffic(), Traffic()
-        chosen = "serial" if self._decode_name == "decode" else "parallel"
+        chosen = self.decode_kind
         log.debug("decode: serial %.1f ms, parallel %.1f ms per step -> %s", med["decode"], med["decode_parallel"],
                   chosen)
         return {"chosen": chosen, "serial_ms": round(med["decode"], 2), "parallel_ms": round(med["decode_parallel"], 2)}
@@ -198,9 +201,9 @@ class DeviceLLM:
     def use_decode(self, kind: str) -> None:
         """Run the following decode steps on the "serial" or "parallel" decode
         module (what the load-time choice sets; for A/B runs and tests)."""
-        if kind not in ("serial", "parallel"):
+        name = _DECODE_MODULES.get(kind)
+        if name is None:
             raise LLMError(f"decode module {kind!r}: use serial or parallel")
-        name = "decode" if kind == "serial" else "decode_parallel"
         if name not in self.handles:
             raise LLMError(f"this package has no {name} module")
         self._decode_name = name
@@ -208,7 +211,7 @@ class DeviceLLM:
     @property
     def decode_kind(self) -> str:
         """The decode module the steps run on: "serial" or "parallel"."""
-        return "serial" if self._decode_name == "decode" else "parallel"
+        return next(k for k, v in _DECODE_MODULES.items() if v == self._decode_name)
 
     # ---------------------------------------------------------------- calls
     def _infer(self, name: str, inputs: list[np.ndarray], resident: bool):
