@@ -1,12 +1,14 @@
 """Compiled modules at runtime: latency through the device vs in-process vs onnxruntime.
 
     python benchmarks/infer.py [--runs 40] [--slow-runs 3] [--threads 2] [--batch 2] [--no-slow]
-                               [--models resnet18,resnet50,shufflenet] [--portable]
+                               [--models resnet18,resnet50,shufflenet] [--portable] [--subgraph on|off|both]
 
 Models: ResNet-18 (dspx.compiler.examples, fixed seed), and the onnx wheel's
 light ResNet-50 and ShuffleNet (grouped and depthwise convolutions, channel
 shuffles), re-weighted at random (examples.light).  --portable adds ResNet-18
 compiled with --target x86-64-v3 (the cost of a module that travels).
+--subgraph: the modules as the compiler builds them by default (one
+onnx_subgraph call for the supported prefix), op by op, or both.
 For each compiled module (compiled here with `dspx compile`, timed per stage,
 verification included) it measures, medians of --runs calls:
 
@@ -167,9 +169,11 @@ LEGS = ("client: before send", "client -> front", "front: decode, plan, dispatch
         "total", "total - entry call")
 
 
-def breakdown(module: Path, threads: int, runs: int) -> dict:
+def breakdown(module: Path, threads: int, runs: int, settle: float = 0.05) -> dict:
     """Median time of each leg of a zero-copy call (create_input + run_nocopy),
-    from CLOCK_MONOTONIC stamps taken in the client, the front and the core."""
+    from CLOCK_MONOTONIC stamps taken in the client, the front and the core.
+    ``settle`` seconds before each call, as between interleave()'s batches:
+    back to back, the legs meet the previous call's spinning pool instead."""
     from dspx.host.client import Client
     from dspx.host.vm import VirtualMachine
     from dspx.transport import is_listening
@@ -199,6 +203,7 @@ def breakdown(module: Path, threads: int, runs: int) -> dict:
 
         c._send_bytes, c._receive = send_bytes, receive
         for _ in range(runs):
+            time.sleep(settle)
             client_ts.append([time.perf_counter_ns()])
             vm.run_nocopy(*xd)
             client_ts[-1].append(time.perf_counter_ns())
@@ -483,9 +488,10 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="resnet18,resnet50,shufflenet",
                     help="comma-separated: resnet18 (dspx example) and light models of the onnx wheel "
                          "(resnet50, shufflenet, densenet121, ...; re-weighted at random)")
-    ap.add_argument("--subgraph", choices=["off", "on", "both"], default="off",
-                    help="compile the kernel modules op by op (off), with their supported prefix in one "
-                         "onnx_subgraph call (on, DSPX_SUBGRAPH=1), or both, each paired against onnxruntime")
+    ap.add_argument("--subgraph", choices=["off", "on", "both"], default="on",
+                    help="compile the kernel modules with their supported prefix in one onnx_subgraph call "
+                         "(on, the compiler's default), op by op (off, DSPX_SUBGRAPH=0), or both, each "
+                         "paired against onnxruntime")
     ap.add_argument("--portable", action="store_true",
                     help="also time ResNet-18 compiled with --target x86-64-v3 (the cost of a portable module)")
     argv = sys.argv[1:] if argv is None else argv
@@ -563,7 +569,9 @@ def main(argv=None) -> None:
         dev.stop()
     if a.breakdown:
         print("breakdown of a zero-copy call ...", file=sys.stderr)
-        report["breakdown"] = {"resnet18 (kernels)": breakdown(BUILD / "resnet18-k", a.threads, a.runs),
+        tag, flag = variants[-1]  # the module the run compiled (the subgraph one with --subgraph on|both)
+        report["breakdown"] = {f"resnet18 (kernels{tag})": breakdown(BUILD / f"resnet18-k{_SUFFIX[flag]}",
+                                                                     a.threads, a.runs),
                                "multi_input (7 inputs)": breakdown(BUILD / "multi_input", a.threads,
                                                                    max(a.runs, 100))}
     report["loadavg_end"] = os.getloadavg()
