@@ -31,7 +31,6 @@ import argparse
 import collections
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -238,23 +237,12 @@ def engines(model, x, threads: int, runs: int) -> dict:
     except NotImplementedError as e:
         skipped["PyTorch"] = str(e)
     err = {k: float(np.max(np.abs(np.asarray(f()) - ref))) for k, f in calls.items()}
+
     for f in calls.values():
-        for _ in range(3):
-            f()
-    times, per_round = {k: [] for k in calls}, []
-    rng, keys = random.Random(0), list(calls)
-    for _ in range(runs):
-        rng.shuffle(keys)
-        this = {}
-        for k in keys:
-            time.sleep(0.02)
-            t0 = time.perf_counter()
-            calls[k]()
-            this[k] = time.perf_counter() - t0
-            times[k].append(this[k])
-        per_round.append(this)
+        f()
+    times, per_round = infer.interleave({k: infer.timed_calls(f) for k, f in calls.items()}, runs, 1, settle=0.02)
     return {"rows": {k: {"median_ms": statistics.median(v) * 1e3, "max_abs_err_vs_ort": err[k],
-                         "paired_vs_ort": statistics.median(r[k] / r["onnxruntime"] for r in per_round)}
+                         "paired_vs_ort": infer.paired(per_round, k, "onnxruntime")}
                      for k, v in times.items()}, "skipped": skipped}
 
 

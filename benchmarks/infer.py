@@ -244,6 +244,18 @@ def _echo(sock, other) -> None:
         sock.send(d)
 
 
+def timed_calls(f):
+    """An interleave() candidate: n calls of ``f``, each timed (s)."""
+    def run(n):
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            f()
+            ts.append((time.perf_counter_ns() - t0) / 1e9)
+        return ts
+    return run
+
+
 def call_path(sock: str, module: Path, runs: int, batch: int = 25) -> dict:
     """The fixed cost of a call, side by side in one run: PING, a bare Python
     SEQPACKET ping-pong (the floor), the tiny 7-input module through
@@ -271,20 +283,11 @@ def call_path(sock: str, module: Path, runs: int, batch: int = 25) -> dict:
     i_mem, o_mem = ucp.malloc(64), ucp.malloc(64)
     ping_client, msg = vm.client, bytes(P.Ping().encode())
 
-    def timed(f):
-        def run(n):
-            ts = []
-            for _ in range(n):
-                t0 = time.perf_counter_ns()
-                f()
-                ts.append((time.perf_counter_ns() - t0) / 1e9)
-            return ts
-        return run
-
     def bare():
         a.send(msg)
         a.recv(512)
 
+    timed = timed_calls
     cands = {"ping": timed(lambda: ping_client.request(P.Ping())), "bare": timed(bare),
              "tiny_vm": timed(lambda: vm["main"](*x)), "tiny_nocopy": timed(lambda: vm_nc.run_nocopy(*xd)),
              "noop_op": timed(lambda: ucp.run(NOOP_OP, i_mem, o_mem))}
