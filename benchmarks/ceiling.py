@@ -19,9 +19,10 @@ one run:
    ``openvino`` is installed: ``pip install openvino``), and PyTorch's oneDNN
    (the ONNX graph traced into TorchScript, frozen and
    ``optimize_for_inference``; if ``torch`` is installed).
-3. **The device's fixed cost**: PING and the tiny 7-input module (zero copy)
-   through a real device, back to back and after 50 ms idle (as
-   ``benchmarks/infer.py`` calls, with a pause between batches).
+3. **The device's fixed cost**: a bare SEQPACKET echo between two processes,
+   PING and the tiny 7-input module (zero copy) through a real device, back to
+   back and after 50 ms idle (as ``benchmarks/infer.py`` calls, with a pause
+   between batches); the echo also after the sender kept its vCPU busy.
 
 Prints a table; writes JSON to benchmarks/results/ceiling-<timestamp>.json.
 """
@@ -247,9 +248,20 @@ def engines(model, x, threads: int, runs: int) -> dict:
 
 
 # ------------------------------------------------------------------ the device's fixed cost
+def _spin(seconds: float) -> None:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        pass
+
+
 def fixed_cost(threads: int, runs: int) -> dict:
-    """PING and the tiny 7-input module (zero copy) through one device, back to
-    back and after 50 ms idle, interleaved; microseconds."""
+    """Median microseconds of a bare SEQPACKET echo between two processes,
+    PING and the tiny 7-input module (zero copy) through one device: back to
+    back, after 50 ms idle, and (the echo) after the sender kept its own vCPU
+    busy for 50 ms, so that the answer must wake the other one."""
+    import multiprocessing as mp
+    import socket
+
     from dspx.abi import protocol as P
     from dspx.compiler import examples
     from dspx.host.launcher import PrivateDevice
@@ -257,27 +269,41 @@ def fixed_cost(threads: int, runs: int) -> dict:
     onnx_path = examples.multi_input(infer.BUILD / "onnx" / "multi_input.onnx")
     module = infer.BUILD / "multi_input"
     infer.compile_module(onnx_path, module, False, threads)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    echo = mp.get_context("fork").Process(target=infer._echo, args=(b, a))
+    echo.start()
+    b.close()
     dev = PrivateDevice(cores=1, extra_args=["--threads", threads, "--quiet"])
     try:
         paths = infer.DevicePaths(dev.path, module, staging=(module / "model.so").stat().st_size + (1 << 20))
-        client, ping = paths.vm.client, P.Ping()
-        cands = {"PING": lambda: client.request(ping), "tiny INFER (zero copy)": lambda: paths.run("nocopy", 1)}
+        client, ping, msg = paths.vm.client, P.Ping(), bytes(P.Ping().encode())
+
+        def bare():
+            a.send(msg)
+            a.recv(512)
+
+        idle = {"back to back": lambda: None, "after 50 ms idle": lambda: time.sleep(0.05)}
+        cands = [("bare echo", bare, {**idle, "after 50 ms busy": lambda: _spin(0.05)}),
+                 ("PING", lambda: client.request(ping), idle),
+                 ("tiny INFER (zero copy)", lambda: paths.run("nocopy", 1), idle)]
         res = {}
         try:
-            for k, f in cands.items():
-                for settle, label in ((0.0, "back to back"), (0.05, "after 50 ms idle")):
+            for name, call, befores in cands:
+                for label, before in befores.items():
                     ts = []
                     for _ in range(runs):
-                        time.sleep(settle)
+                        before()
                         t0 = time.perf_counter()
-                        f()
+                        call()
                         ts.append(time.perf_counter() - t0)
-                    res[f"{k}, {label}"] = statistics.median(ts) * 1e6
+                    res[f"{name}, {label}"] = statistics.median(ts) * 1e6
         finally:
             paths.close()
         return res
     finally:
         dev.stop()
+        a.close()
+        echo.join(10)
 
 
 def main(argv=None) -> None:
