@@ -136,6 +136,12 @@ def _torch_module(model):
     g = model.graph
     consts = {i.name: torch.from_numpy(numpy_helper.to_array(i).copy()) for i in g.initializer}
 
+    def pads(a, op):
+        p = a.get("pads", [0, 0, 0, 0])
+        if p[:2] != p[2:] or a.get("ceil_mode", 0):
+            raise NotImplementedError(f"{op} with asymmetric padding or ceil_mode")
+        return p[:2]
+
     def attrs(node):
         from onnx import helper
         return {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -148,10 +154,7 @@ def _torch_module(model):
                 a, i = attrs(node), [env.get(n) for n in node.input]
                 op = node.op_type
                 if op == "Conv":
-                    p = a.get("pads", [0, 0, 0, 0])
-                    if p[:2] != p[2:]:
-                        raise NotImplementedError("asymmetric padding")
-                    y = F.conv2d(i[0], i[1], i[2] if len(i) > 2 else None, a.get("strides", [1, 1]), p[:2],
+                    y = F.conv2d(i[0], i[1], i[2] if len(i) > 2 else None, a.get("strides", [1, 1]), pads(a, op),
                                  a.get("dilations", [1, 1]), a.get("group", 1))
                 elif op == "Relu":
                     y = torch.relu(i[0])
@@ -170,16 +173,10 @@ def _torch_module(model):
                 elif op == "Softmax":
                     y = torch.softmax(i[0], a.get("axis", -1))
                 elif op == "AveragePool":
-                    p = a.get("pads", [0, 0, 0, 0])
-                    if p[:2] != p[2:] or a.get("ceil_mode", 0):
-                        raise NotImplementedError("AveragePool with asymmetric padding or ceil_mode")
-                    y = F.avg_pool2d(i[0], a["kernel_shape"], a.get("strides", a["kernel_shape"]), p[:2],
+                    y = F.avg_pool2d(i[0], a["kernel_shape"], a.get("strides", a["kernel_shape"]), pads(a, op),
                                      count_include_pad=bool(a.get("count_include_pad", 0)))
                 elif op == "MaxPool":
-                    p = a.get("pads", [0, 0, 0, 0])
-                    if p[:2] != p[2:] or a.get("ceil_mode", 0):
-                        raise NotImplementedError("MaxPool with asymmetric padding or ceil_mode")
-                    y = F.max_pool2d(i[0], a["kernel_shape"], a.get("strides", a["kernel_shape"]), p[:2])
+                    y = F.max_pool2d(i[0], a["kernel_shape"], a.get("strides", a["kernel_shape"]), pads(a, op))
                 elif op == "GlobalAveragePool":
                     y = F.adaptive_avg_pool2d(i[0], 1)
                 elif op == "Flatten":
@@ -259,9 +256,6 @@ def fixed_cost(threads: int, runs: int) -> dict:
     PING and the tiny 7-input module (zero copy) through one device: back to
     back, after 50 ms idle, and (the echo) after the sender kept its own vCPU
     busy for 50 ms, so that the answer must wake the other one."""
-    import multiprocessing as mp
-    import socket
-
     from dspx.abi import protocol as P
     from dspx.compiler import examples
     from dspx.host.launcher import PrivateDevice
@@ -269,41 +263,23 @@ def fixed_cost(threads: int, runs: int) -> dict:
     onnx_path = examples.multi_input(infer.BUILD / "onnx" / "multi_input.onnx")
     module = infer.BUILD / "multi_input"
     infer.compile_module(onnx_path, module, False, threads)
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    echo = mp.get_context("fork").Process(target=infer._echo, args=(b, a))
-    echo.start()
-    b.close()
+    bare = infer.Echo(bytes(P.Ping().encode()))
     dev = PrivateDevice(cores=1, extra_args=["--threads", threads, "--quiet"])
     try:
         paths = infer.DevicePaths(dev.path, module, staging=(module / "model.so").stat().st_size + (1 << 20))
-        client, ping, msg = paths.vm.client, P.Ping(), bytes(P.Ping().encode())
-
-        def bare():
-            a.send(msg)
-            a.recv(512)
-
-        idle = {"back to back": lambda: None, "after 50 ms idle": lambda: time.sleep(0.05)}
+        client, ping = paths.vm.client, P.Ping()
+        idle = {"back to back": None, "after 50 ms idle": lambda: time.sleep(0.05)}
         cands = [("bare echo", bare, {**idle, "after 50 ms busy": lambda: _spin(0.05)}),
                  ("PING", lambda: client.request(ping), idle),
                  ("tiny INFER (zero copy)", lambda: paths.run("nocopy", 1), idle)]
-        res = {}
         try:
-            for name, call, befores in cands:
-                for label, before in befores.items():
-                    ts = []
-                    for _ in range(runs):
-                        before()
-                        t0 = time.perf_counter()
-                        call()
-                        ts.append(time.perf_counter() - t0)
-                    res[f"{name}, {label}"] = statistics.median(ts) * 1e6
+            return {f"{name}, {label}": statistics.median(infer.timed_calls(call, before)(runs)) * 1e6
+                    for name, call, befores in cands for label, before in befores.items()}
         finally:
             paths.close()
-        return res
     finally:
         dev.stop()
-        a.close()
-        echo.join(10)
+        bare.close()
 
 
 def main(argv=None) -> None:

@@ -244,11 +244,37 @@ def _echo(sock, other) -> None:
         sock.send(d)
 
 
-def timed_calls(f):
-    """An interleave() candidate: n calls of ``f``, each timed (s)."""
+class Echo:
+    """A forked process that echoes SEQPACKET datagrams: calling it is one bare
+    Python round trip between two processes, the floor of every call path."""
+
+    def __init__(self, msg: bytes):
+        import multiprocessing as mp
+        import socket
+
+        self.msg = msg
+        self.sock, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = mp.get_context("fork").Process(target=_echo, args=(other, self.sock))
+        self.proc.start()
+        other.close()
+
+    def __call__(self) -> None:
+        self.sock.send(self.msg)
+        self.sock.recv(512)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(10)
+
+
+def timed_calls(f, before=None):
+    """An interleave() candidate: n calls of ``f``, each timed (s); ``before``
+    (untimed) runs ahead of each call."""
     def run(n):
         ts = []
         for _ in range(n):
+            if before is not None:
+                before()
             t0 = time.perf_counter_ns()
             f()
             ts.append((time.perf_counter_ns() - t0) / 1e9)
@@ -260,18 +286,12 @@ def call_path(sock: str, module: Path, runs: int, batch: int = 25) -> dict:
     """The fixed cost of a call, side by side in one run: PING, a bare Python
     SEQPACKET ping-pong (the floor), the tiny 7-input module through
     vm["main"] and zero-copy, and a no-op Python custom op (RPC)."""
-    import multiprocessing as mp
-    import socket as _socket
-
     from dspx.abi import protocol as P
     from dspx.host.client import Client
     from dspx.host.tasks import Tasks
     from dspx.host.vm import VirtualMachine
 
-    a, b = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
-    echo = mp.get_context("fork").Process(target=_echo, args=(b, a))
-    echo.start()
-    b.close()
+    bare = Echo(bytes(P.Ping().encode()))
     meta = json.loads((module / "metadata.json").read_text())
     x = random_inputs(meta)
     staging = (module / "model.so").stat().st_size + (1 << 20)
@@ -281,16 +301,11 @@ def call_path(sock: str, module: Path, runs: int, batch: int = 25) -> dict:
     ucp = Tasks(socket=sock)
     ucp.load_ops(NOOP_LIB)
     i_mem, o_mem = ucp.malloc(64), ucp.malloc(64)
-    ping_client, msg = vm.client, bytes(P.Ping().encode())
-
-    def bare():
-        a.send(msg)
-        a.recv(512)
-
-    timed = timed_calls
-    cands = {"ping": timed(lambda: ping_client.request(P.Ping())), "bare": timed(bare),
-             "tiny_vm": timed(lambda: vm["main"](*x)), "tiny_nocopy": timed(lambda: vm_nc.run_nocopy(*xd)),
-             "noop_op": timed(lambda: ucp.run(NOOP_OP, i_mem, o_mem))}
+    ping_client = vm.client
+    cands = {"ping": timed_calls(lambda: ping_client.request(P.Ping())), "bare": timed_calls(bare),
+             "tiny_vm": timed_calls(lambda: vm["main"](*x)),
+             "tiny_nocopy": timed_calls(lambda: vm_nc.run_nocopy(*xd)),
+             "noop_op": timed_calls(lambda: ucp.run(NOOP_OP, i_mem, o_mem))}
     try:
         for f in cands.values():
             f(100)  # warm-up
@@ -301,8 +316,7 @@ def call_path(sock: str, module: Path, runs: int, batch: int = 25) -> dict:
             cl = v.client
             v.close()
             cl.close()
-        a.close()
-        echo.join(10)
+        bare.close()
     res = {k: {"median_us": statistics.median(v) * 1e6, "p90_us": sorted(v)[int(0.9 * len(v))] * 1e6,
                "n": len(v)} for k, v in times.items()}
     res["ratios_paired"] = {"tiny_vm/ping": paired(per_round, "tiny_vm", "ping"),
@@ -610,7 +624,7 @@ def main(argv=None) -> None:
               f"{r['nocopy']['min_ms']:8.3f}ms {'':>11} {r['ort']['min_ms']:7.3f}ms {m['vm/tvm']:7.3f} "
               f"{m['nocopy/tvm']:7.3f} {'':>7} {m['nocopy/ort']:7.3f}")
     cp = report["call_path"]
-    print(f"\ncall path, medians in us (paired ratios per round): " + ", ".join(
+    print("\ncall path, medians in us (paired ratios per round): " + ", ".join(
         f"{k} {cp[k]['median_us']:.1f}" for k in ("bare", "ping", "tiny_nocopy", "tiny_vm", "noop_op")))
     print("  " + ", ".join(f"{k} {v:.2f}" for k, v in cp["ratios_paired"].items()))
     print("  goals: tiny INFER / PING <= 2.0, no-op op / PING <= 1.3, PING / bare <= 1.5")
