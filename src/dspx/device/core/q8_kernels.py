@@ -3,8 +3,8 @@
 Activations arrive and leave as float32; inside, each kernel quantizes its
 input with the calibrated per-tensor scale and zero point (uint8), runs the
 convolution / matrix product in int8 (uint8 activations x int8 per-channel
-weights, int32 accumulation: MLAS' u8s8 kernels with VNNI where the CPU has
-it) and dequantizes.  The backend is onnxruntime (numpy on exact float64
+weights, int32 accumulation: MLAS' u8s8 kernels where the CPU has VNNI,
+its exact u8u8 ones elsewhere, see ``_weights``) and dequantizes.  The backend is onnxruntime (numpy on exact float64
 integers when the kernel backend is not onnxruntime, ~10-50x slower): one small session per
 weight, ``QuantizeLinear -> QLinearConv -> DequantizeLinear`` (a convolution's
 output is requantized with its calibrated range, as onnxruntime's own QDQ
@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...abi.kernels import ACT_RELU, LAYOUT_NCHW
+from .cpu import host_features
 from .kernels import KernelError, _cached, _conv_numpy, _ints, _kernel, _np, _OrtOp, backend
 
 _INT32 = np.iinfo(np.int32)
@@ -36,6 +37,22 @@ def _qparams(scale: float, zero: int, what: str) -> tuple[np.ndarray, np.ndarray
         raise KernelError(f"{what}: quantization scale must be > 0 and zero point in [0, 255], "
                           f"got scale {scale} zero point {zero}")
     return np.array(scale, np.float32), np.array(zero, np.uint8)
+
+
+def _exact_u8s8() -> bool:
+    """Whether MLAS' u8 x s8 kernels are exact here: with VNNI they accumulate
+    in int32; without it (AVX2's vpmaddubsw) they saturate pairs of products
+    at int16, which put int8 convolutions ~27 quanta off on an AVX2-only EPYC."""
+    return bool({"avx512_vnni", "avx_vnni"} & host_features())
+
+
+def _weights(w: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """The weights and their zero points as onnxruntime gets them: int8 where
+    u8s8 is exact, else the same integers as uint8 with zero point 128 (MLAS'
+    u8u8 kernels widen to int16 first: exact on every x86, a little slower)."""
+    if _exact_u8s8():
+        return w, np.zeros(channels, np.int8)
+    return (w.astype(np.int16) + 128).astype(np.uint8), np.full(channels, 128, np.uint8)
 
 
 def _bias_int32(bias: np.ndarray, in_scale: np.ndarray, wscale: np.ndarray) -> np.ndarray:
@@ -90,7 +107,8 @@ def _conv_q8(data, weight, bias, residual, wscale, strides, padding, dilation, g
 
     def make():
         s = _np(wscale).astype(np.float32)
-        inits = {"xs": xs, "xz": xz, "w": w, "ws": s, "wz": np.zeros(w.shape[0], np.int8), "ys": ys, "yz": yz,
+        wq, wz = _weights(w, w.shape[0])
+        inits = {"xs": xs, "xz": xz, "w": wq, "ws": s, "wz": wz, "ys": ys, "yz": yz,
                  "b": _bias_int32(_np(bias), xs, s)}
         nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
                  helper.make_node("QLinearConv", ["xq", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"], ["yq"],
@@ -112,7 +130,7 @@ def _conv_q8(data, weight, bias, residual, wscale, strides, padding, dilation, g
     return op([x] if r is None else [x, r], o)
 
 
-@_kernel("conv2d_q8", "onnxruntime QuantizeLinear + QLinearConv + DequantizeLinear (u8s8)", site=True)
+@_kernel("conv2d_q8", "onnxruntime QuantizeLinear + QLinearConv + DequantizeLinear", site=True)
 def conv2d_q8(data, weight, bias, wscale, strides, padding, dilation, groups, layout, act,
               in_scale, in_zero, out_scale, out_zero, out):
     """int8 convolution, out = act(dq(q(conv(q(data), weight) + bias))).
@@ -133,7 +151,7 @@ def conv2d_add_q8(data, weight, bias, residual, wscale, strides, padding, dilati
              in_scale, in_zero, out_scale, out_zero, out)
 
 
-@_kernel("dense_q8", "onnxruntime QuantizeLinear + QGemm (u8s8, float output)", site=True)
+@_kernel("dense_q8", "onnxruntime QuantizeLinear + QGemm (float output)", site=True)
 def dense_q8(data, weight, bias, wscale, trans_b, act, in_scale, in_zero, out):
     """int8 fully connected: out = act(q(data) @ W + bias) with W = weight * wscale along N.
 
@@ -164,7 +182,8 @@ def dense_q8(data, weight, bias, wscale, trans_b, act, in_scale, in_zero, out):
 
     def make():
         s = _np(wscale).astype(np.float32)
-        inits = {"xs": xs, "xz": xz, "w": w, "ws": s, "wz": np.zeros(n, np.int8), "b": _bias_int32(_np(bias), xs, s)}
+        wq, wz = _weights(w, n)
+        inits = {"xs": xs, "xz": xz, "w": wq, "ws": s, "wz": wz, "b": _bias_int32(_np(bias), xs, s)}
         nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
                  helper.make_node("QGemm", ["xq", "xs", "xz", "w", "ws", "wz", "b"], ["g"], domain="com.microsoft",
                                   transB=tb)]
