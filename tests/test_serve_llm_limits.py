@@ -123,14 +123,16 @@ def test_a_body_over_the_limit_gets_413_and_is_never_held(service):
                     while sent < 200 * MiB and not select.select([s], [], [], 0)[0]:
                         s.sendall(b"%x\r\n" % len(block) + block + b"\r\n")
                         sent += len(block)
+                    if sent == 200 * MiB:  # all of it went in: end the body (a server that took it answers)
+                        s.sendall(b"0\r\n\r\n")
                 status, headers, body = _read_response(s)
         finally:
             sampling.set()
             sampler.join(10)
-        assert status == 413
+        assert peak[0] - base < 64 * MiB, f"RSS grew by {(peak[0] - base) / MiB:.0f} MiB for a 200 MiB body"
+        assert status == 413 and sent < 200 * MiB
         assert json.loads(body) == _error("the request body is more than 1048576 bytes; this server takes at "
                                           "most 1048576 (--max-body)", code="request_too_large")
-        assert peak[0] - base < 64 * MiB, f"RSS grew by {(peak[0] - base) / MiB:.0f} MiB for a 200 MiB body"
 
         # just under the limit is served
         padded = json.dumps({"prompt": "Hi", "max_tokens": 1}).replace(",", "," + " " * (MiB - 100), 1)
@@ -333,3 +335,30 @@ def test_a_non_streaming_request_whose_client_left_stops_generating(service):
     finally:
         service.run = real_run
         unwrap()
+
+
+def test_the_fd_limit_must_hold_the_connection_cap():
+    """serve-llm refuses to start when `ulimit -n` cannot hold the cap (accept() would hit EMFILE)."""
+    import subprocess
+
+    script = """
+import resource, sys
+from dspx.errors import DspxError
+from dspx.host.serve_llm import check_fd_room
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), hard))
+try:
+    check_fd_room(64)
+except DspxError as e:
+    print("refused:", e)
+else:
+    print("ok")
+"""
+    def run(soft):
+        return subprocess.run([sys.executable, "-c", script, str(soft)], capture_output=True, text=True,
+                              timeout=60, check=True).stdout.strip()
+    out = run(80)  # under 64 connections + 32 spare, whatever else is open
+    assert out.startswith("refused: --max-connections 64 needs ") and out.endswith(
+        "file descriptors (those open now, the connections and 32 spare); the limit is 80: lower "
+        "--max-connections or raise `ulimit -n`"), out
+    assert run(1024) == "ok"
