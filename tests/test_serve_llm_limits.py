@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_serve_llm import MESSAGES, _Server, service  # noqa: E402,F401 - the module's device and model
+from test_serve_llm import _Server, service  # noqa: E402,F401 - the device and model fixture
 
 psutil = pytest.importorskip("psutil")
 MiB = 1 << 20
