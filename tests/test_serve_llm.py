@@ -28,11 +28,15 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, app):
+    """The app on 127.0.0.1 with serve-llm's own uvicorn config (its protocol, timeouts and cap)."""
+
+    def __init__(self, app, limits=None):
         import uvicorn
 
+        from dspx.host.serve_llm import Limits, uvicorn_config
+
         self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", self.port, limits or Limits(), "warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -123,6 +127,16 @@ def test_completions_raw_prompt_stop_and_length(client, greedy):
     chunks = list(s)
     text = "".join(c.choices[0].text for c in chunks)
     assert text == want.text[:want.text.index(cut)] and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_string_stop_is_one_sequence_not_its_characters(client, greedy, service):
+    """Issue 29: "stop": "Paris" cuts at "Paris"; split into characters it would cut at the first "a"."""
+    assert greedy["chat"].text == "The capital of France is Paris."
+    for stop in ("Paris", ["Paris"], ["Paris", "zebra"]):
+        r = client.chat.completions.create(model="x", messages=MESSAGES, temperature=0, max_tokens=16, stop=stop)
+        assert r.choices[0].message.content == "The capital of France is ", stop
+        assert r.choices[0].finish_reason == "stop"
+    assert service.gen.generate(MESSAGES, 16, stop="Paris").text == "The capital of France is "  # the Python API too
 
 
 def test_sampling_is_seeded(client):

@@ -465,13 +465,13 @@ class Generator:
     def stream(self, prompt, max_tokens: int = 128, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None, resident: bool = True, chat: bool = True,
                result: GenerationResult | None = None, reuse_cache: bool = False,
-               stop: Sequence[str] = (), repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+               stop: str | Sequence[str] = (), repeat_penalty: float = 1.0, repeat_last_n: int = 64,
                max_time: float | None = None,
                should_stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, str]]:
         """Yield ``(token_id, text_piece)`` as tokens are produced; fills ``result``.
 
-        ``stop``: strings that end the answer (not included in it; text that
-        could begin one is held back until it cannot).  ``repeat_penalty``
+        ``stop``: a string, or strings, that end the answer (not included in
+        it; text that could begin one is held back until it cannot).  ``repeat_penalty``
         over the last ``repeat_last_n`` ids (prompt included), as llama.cpp.
         ``max_time``: seconds for prefill + decode.  ``should_stop()`` is
         polled between tokens (chat's Ctrl-C): the answer ends "interrupted"
@@ -480,7 +480,7 @@ class Generator:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         if repeat_penalty <= 0:
             raise ValueError(f"repeat_penalty must be positive, got {repeat_penalty}")
-        stops = [x for x in stop if x]
+        stops = [x for x in ([stop] if isinstance(stop, str) else stop) if x]  # a string is one stop
         ids = self.encode(prompt, chat)
         ctx = self.context
         if len(ids) > ctx:

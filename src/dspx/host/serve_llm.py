@@ -20,21 +20,56 @@ previous request (a client resending a growing conversation prefills only
 the new turn).  The model name in a request is not checked: existing clients
 send their own.  Binds 127.0.0.1 unless told otherwise; ``--api-key`` (or
 ``$DSPX_API_KEY``) requires ``Authorization: Bearer <key>``.
+
+What one client may cost the server is bounded (``Limits``; docs/reliability.md
+§5c "serve-llm's limits"): a body over ``max_body`` gets 413 as soon as it
+passes the limit (it is never buffered whole); JSON parsing, the chat template
+and tokenization run on a worker thread, not the event loop; a connection
+gets ``header_timeout`` to send its request headers and ``idle_timeout`` of
+silence between requests or body chunks; past ``max_connections`` open
+connections a new one is answered 503 and closed at accept, and the old
+ones are kept.  Non-finite numbers, bad seeds and JSON nested deeper than
+``MAX_JSON_DEPTH`` get OpenAI-shaped 400s; a non-streaming request whose
+client disconnects is cancelled (taken off the queue, or stopped at the next
+token).
 """
 
 # (no `from __future__ import annotations`: FastAPI resolves the handlers' Request annotation at
 # definition time, and fastapi is imported inside create_app so the CLI loads without the extra)
 import asyncio
 import concurrent.futures
+import http
 import json
+import math
+import os
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from .llm import ContextFullError, Generator
 
-__all__ = ["LLMService", "create_app", "serve_llm"]
+__all__ = ["Limits", "LLMService", "create_app", "serve_llm", "uvicorn_config"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one HTTP client may cost the server (the CLI's defaults)."""
+
+    # A full 1,024-token context is a few KiB of text (tens with JSON escaping of every
+    # character), so 1 MiB refuses nothing real; 64 connections x 1 MiB bounds body memory.
+    max_body: int = 1 << 20
+    header_timeout: float = 10.0  # seconds for a request line + headers (slowloris)
+    idle_timeout: float = 5.0     # seconds of silence between requests, or between body chunks
+    # One device serves one request at a time and at most --max-queue (16) wait; 64 is
+    # room for those, /health probes and streaming readers, and stays far below the usual
+    # 1,024-fd soft limit, so accept() never fails with EMFILE (that locked everyone out).
+    max_connections: int = 64
+
+
+MAX_JSON_DEPTH = 32   # a chat request nests 4 deep (body, messages, message, content parts)
+FD_SPARE = 32         # fds kept beyond max_connections: the listener, the device, logs, the tokenizer's files
 
 FINISH = {"eos": "stop", "stop": "stop", "interrupted": "stop", "max_tokens": "length", "context": "length",
           "time": "length"}
@@ -44,20 +79,65 @@ class APIError(Exception):
     """An error answered in OpenAI's JSON shape."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, close: bool = False):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.close = close  # the connection ends after the answer (e.g. an unread body behind it)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def raw_response(self) -> bytes:
+        """The whole HTTP/1.1 answer, for the protocol layer (before or without a request)."""
+        body = json.dumps(self.body()).encode()
+        return (f"HTTP/1.1 {self.status} {http.HTTPStatus(self.status).phrase}\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+                f"connection: close\r\n\r\n").encode() + body
+
+
+def _too_deep() -> APIError:
+    return APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels of arrays/objects")
+
+
+def _depth(value) -> int:
+    """Nesting depth of parsed JSON (iterative: the value may be as deep as the parser allowed)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if d > MAX_JSON_DEPTH:
+                break
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object: strict JSON (no NaN/Infinity), at most MAX_JSON_DEPTH deep."""
+    def no_constant(name):
+        raise ValueError(f"{name} is not a JSON number")
+    try:
+        body = json.loads(raw, parse_constant=no_constant)
+    except RecursionError:  # deeper than the interpreter's recursion limit
+        raise _too_deep() from None
+    except ValueError as e:
+        raise APIError(400, f"the request body is not JSON: {e}") from None
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise _too_deep()
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float | None = None, kind=float):
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-        raise APIError(400, f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {v!r}", param=name)
+    ok = not isinstance(v, bool) and (isinstance(v, int) or (  # ints are exact at any size
+        isinstance(v, float) and math.isfinite(v) and (kind is float or v.is_integer())))  # 1e999 parses as inf
+    if not ok:
+        raise APIError(400, f"'{name}' must be {'an integer' if kind is int else 'a finite number'}, "
+                            f"got {repr(v)[:40]}", param=name)
     if v < lo or (hi is not None and v > hi):
         rng = f"at least {lo}" if hi is None else f"between {lo} and {hi}"
         raise APIError(400, f"'{name}' must be {rng}, got {v}", param=name)
@@ -76,9 +156,10 @@ def sampling_params(body: dict) -> dict:
     n = body.get("n", 1)
     if n != 1:
         raise APIError(400, f"only n=1 is supported (one device, one KV cache), got {n!r}", param="n")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise APIError(400, f"'seed' must be an integer, got {seed!r}", param="seed")
+    # llama-server's -1 means "random", as no seed does; numpy seeds take any unsigned 64-bit value
+    seed = _number(body, "seed", None, -1, 2**64 - 1, kind=int)
+    if seed == -1:
+        seed = None
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     param = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if max_tokens is not None:
@@ -98,6 +179,9 @@ class LLMService:
         self.created = int(time.time())
         self.max_queue = max_queue
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspx-llm")
+        # JSON parsing and tokenization (seconds for a MiB prompt), off the event loop; one thread,
+        # since the GIL would make more no faster
+        self.prep = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspx-llm-prep")
         self.waiting = 0  # requests submitted and not finished
         self._lock = threading.Lock()
 
@@ -142,6 +226,7 @@ class LLMService:
         return res
 
     def close(self) -> None:
+        self.prep.shutdown(wait=True, cancel_futures=True)
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -168,18 +253,30 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def create_app(service: LLMService, api_key: str | None = None):
+def _prompt(body: dict, chat: bool):
+    if chat:
+        return _messages(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise APIError(400, "'prompt' must be a non-empty string", param="prompt")
+    return prompt
+
+
+def create_app(service: LLMService, api_key: str | None = None, limits: Limits = Limits()):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
     from sse_starlette.sse import EventSourceResponse
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
 
     app = FastAPI(title="dspx serve-llm", docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
     async def api_error(_req, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers={"connection": "close"} if e.close else None)
 
     @app.exception_handler(HTTPException)
     async def http_error(_req, e: HTTPException):
@@ -190,26 +287,47 @@ def create_app(service: LLMService, api_key: str | None = None):
     async def validation_error(_req, e: RequestValidationError):
         return JSONResponse(APIError(400, f"invalid request: {e.errors()}").body(), status_code=400)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                e = APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the key "
-                                  "serve-llm was started with", code="invalid_api_key")
-                return JSONResponse(e.body(), status_code=401)
-        return await call_next(request)
+    @app.exception_handler(Exception)
+    async def server_error(_req, e: Exception):  # a bug: still OpenAI's shape, never a plain-text 500
+        return JSONResponse(APIError(500, f"{type(e).__name__}: {e}", "server_error").body(), status_code=500)
 
-    async def json_body(request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as e:
-            raise APIError(400, f"the request body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        return body
+    def authorize(request: Request) -> None:
+        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the key "
+                                "serve-llm was started with", code="invalid_api_key")
+
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with 413 as soon as it passes max_body (so it is never held whole)."""
+        def too_large(size: str) -> APIError:
+            return APIError(413, f"the request body is {size} bytes; this server takes at most {limits.max_body} "
+                                 f"(--max-body)", code="request_too_large", close=True)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limits.max_body:
+            raise too_large(declared)
+        buf = bytearray()
+        chunks = request.stream().__aiter__()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), limits.idle_timeout)
+            except StopAsyncIteration:
+                return bytes(buf)
+            except asyncio.TimeoutError:
+                raise APIError(408, f"no request body bytes for {limits.idle_timeout} s (--idle-timeout)",
+                               code="request_timeout", close=True) from None
+            except ClientDisconnect:
+                raise APIError(400, "the client disconnected while sending the body", close=True) from None
+            buf += chunk
+            if len(buf) > limits.max_body:
+                raise too_large(f"more than {limits.max_body}")
+
+    async def disconnected(request: Request) -> None:
+        """Returns when the client has gone (the body is read: the next message is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        authorize(request)
         return {"object": "list", "data": [{"id": service.model, "object": "model", "created": service.created,
                                             "owned_by": "dspx"}]}
 
@@ -217,18 +335,17 @@ def create_app(service: LLMService, api_key: str | None = None):
     async def health():
         return {"status": "ok", "waiting": service.waiting}
 
-    async def complete(request: Request, chat: bool):
-        body = await json_body(request)
-        if chat:
-            prompt = _messages(body)
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str) or not prompt:
-                raise APIError(400, "'prompt' must be a non-empty string", param="prompt")
+    def prepare(raw: bytes, chat: bool):
+        """Parse, validate and tokenize (CPU-heavy for big bodies: runs on the prep thread)."""
+        body = parse_json(raw)
+        prompt = _prompt(body, chat)
         params = sampling_params(body)
-        ids = service.encode(prompt, chat)
+        return body, params, service.encode(prompt, chat)
+
+    async def complete(request: Request, chat: bool):
+        authorize(request)
+        loop = asyncio.get_running_loop()
+        body, params, ids = await loop.run_in_executor(service.prep, prepare, await read_body(request), chat)
         stream = bool(body.get("stream", False))
         opts = body.get("stream_options") or {}
         include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
@@ -236,21 +353,34 @@ def create_app(service: LLMService, api_key: str | None = None):
         obj = "chat.completion" if chat else "text_completion"
         created = int(time.time())
         base = {"id": rid, "created": created, "model": body.get("model") or service.model}
-        loop = asyncio.get_running_loop()
+        cancelled = threading.Event()
 
         if not stream:
-            fut = service.submit(service.run, ids, params)
+            fut = service.submit(service.run, ids, params, None, cancelled.is_set)
+
+            async def cancel_when_gone():  # nobody to answer: off the queue, or stopped at the next token
+                await disconnected(request)
+                cancelled.set()
+                fut.cancel()
+            watcher = asyncio.create_task(cancel_when_gone())
             try:
                 res = await asyncio.wrap_future(fut)
+            except asyncio.CancelledError:
+                if not fut.cancelled():
+                    raise
+                res = None
             except ContextFullError as e:
                 raise APIError(400, str(e), code="context_length_exceeded") from None
+            finally:
+                watcher.cancel()
+            if res is None or cancelled.is_set():
+                return Response(status_code=499)  # nginx's "client closed request": no one reads it
             choice = ({"index": 0, "message": {"role": "assistant", "content": res.text},
                        "logprobs": None, "finish_reason": FINISH[res.finish_reason]} if chat else
                       {"index": 0, "text": res.text, "logprobs": None, "finish_reason": FINISH[res.finish_reason]})
             return {**base, "object": obj, "choices": [choice], "usage": _usage(res)}
 
         queue: asyncio.Queue = asyncio.Queue()
-        cancelled = threading.Event()
 
         def on_piece(piece: str) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, ("piece", piece))
@@ -288,6 +418,7 @@ def create_app(service: LLMService, api_key: str | None = None):
                 yield {"data": "[DONE]"}
             finally:
                 cancelled.set()  # a client gone mid-answer stops it at the next token
+                fut.cancel()     # or before it starts, if it is still queued
 
         return EventSourceResponse(events(), ping=15)
 
@@ -302,9 +433,89 @@ def create_app(service: LLMService, api_key: str | None = None):
     return app
 
 
+def _protocol(limits: Limits):
+    """uvicorn's h11 protocol with serve-llm's connection cap and header timeout (uvicorn has neither:
+    its limit_concurrency answers only once a request's headers are in, which a slowloris never sends)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    shed = APIError(503, f"server busy: {limits.max_connections} connections are open (--max-connections); "
+                         f"retry later", "server_error", code="server_busy").raw_response()
+    bad = APIError(400, "invalid HTTP request").raw_response()
+
+    class LimitedH11Protocol(H11Protocol):
+        head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:  # shed the newcomer, keep those being served
+                self.logger.warning("serve-llm: %d connections open; refusing a new one", len(self.connections) - 1)
+                transport.write(shed)
+                transport.close()
+                return
+            self._arm_head_timer()
+
+        def _arm_head_timer(self):
+            self._disarm_head_timer()
+            self.head_timer = self.loop.call_later(limits.header_timeout, self._head_too_slow)
+
+        def _disarm_head_timer(self):
+            if self.head_timer is not None:
+                self.head_timer.cancel()
+                self.head_timer = None
+
+        def _head_too_slow(self):
+            self.head_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.logger.info("serve-llm: closing a connection that sent no complete request headers in %s s",
+                                 limits.header_timeout)
+                self.transport.close()
+
+        def handle_events(self):
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # the request's headers are in
+                self._disarm_head_timer()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:  # kept alive: the next head
+                self._arm_head_timer()
+
+        def connection_lost(self, exc):
+            self._disarm_head_timer()
+            super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:  # unparsable HTTP: OpenAI's shape, not plain text
+            self.transport.write(bad)
+            self.transport.close()
+
+    return LimitedH11Protocol
+
+
+def uvicorn_config(app, host: str, port: int, limits: Limits = Limits(), log_level: str = "info"):
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=_protocol(limits), ws="none",
+                          timeout_keep_alive=limits.idle_timeout)
+
+
+def check_fd_room(max_connections: int) -> None:
+    """Refuse to start when the fd limit cannot hold max_connections (accept() would fail with EMFILE)."""
+    import resource
+
+    from ..errors import DspxError
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = len(os.listdir("/proc/self/fd")) + max_connections + FD_SPARE
+    if soft != resource.RLIM_INFINITY and need > soft:
+        raise DspxError(f"--max-connections {max_connections} needs {need} file descriptors (those open now, "
+                        f"the connections and {FD_SPARE} spare); the limit is {soft}: lower --max-connections "
+                        f"or raise `ulimit -n`")
+
+
 def serve_llm(host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None, *, model_dir=None, gguf=None,
               socket: str | None = None, context: int = 256, kv_dtype: str = "float32", max_queue: int = 16,
-              log_level: str = "info") -> None:
+              limits: Limits = Limits(), log_level: str = "info") -> None:
     """Load the model on the device and serve until interrupted."""
     import uvicorn
 
@@ -312,7 +523,8 @@ def serve_llm(host: str = "127.0.0.1", port: int = 8080, api_key: str | None = N
     gen.llm  # compile (first time) and load before accepting requests
     svc = LLMService(gen, max_queue=max_queue)
     try:
-        uvicorn.run(create_app(svc, api_key), host=host, port=port, log_level=log_level)
+        check_fd_room(limits.max_connections)
+        uvicorn.Server(uvicorn_config(create_app(svc, api_key, limits), host, port, limits, log_level)).run()
     finally:
         svc.close()
         gen.close()
@@ -335,8 +547,21 @@ def _command():
     @click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "int8"]))
     @click.option("--max-queue", default=16, show_default=True, type=click.IntRange(min=0),
                   help="requests that may wait for the device; more get 503")
+    @click.option("--max-body", default=Limits.max_body, show_default=True, type=click.IntRange(min=1),
+                  help="largest request body in bytes; a larger one gets 413 without being read")
+    @click.option("--header-timeout", default=Limits.header_timeout, show_default=True,
+                  type=click.FloatRange(min=0, min_open=True),
+                  help="seconds a connection gets to send a request's headers; then it is closed")
+    @click.option("--idle-timeout", default=Limits.idle_timeout, show_default=True,
+                  type=click.FloatRange(min=0, min_open=True),
+                  help="seconds of silence allowed between requests (keep-alive) and between body chunks (408)")
+    @click.option("--max-connections", default=Limits.max_connections, show_default=True,
+                  type=click.IntRange(min=1),
+                  help="open connections; a new one past this gets 503 and is closed, the open ones are kept "
+                       "(must fit under `ulimit -n`)")
     @click.option("--socket", default=None, envvar="DSPX_SOCKET")
-    def serve_llm_cmd(host, port, api_key, model_dir, gguf, context, kv_dtype, max_queue, socket):
+    def serve_llm_cmd(host, port, api_key, model_dir, gguf, context, kv_dtype, max_queue, max_body, header_timeout,
+                      idle_timeout, max_connections, socket):
         """OpenAI-compatible HTTP API (/v1/models, /v1/chat/completions, /v1/completions) for the device LLM."""
         import ipaddress
         import logging
@@ -361,8 +586,10 @@ def _command():
             context = DEFAULT_CONTEXT[kv_dtype]
         click.echo(f"serving the device LLM on http://{host}:{port}/v1 (OpenAI API"
                    f"{', API key required' if api_key else ''}); Ctrl-C stops", err=True)
+        limits = Limits(max_body=max_body, header_timeout=header_timeout, idle_timeout=idle_timeout,
+                        max_connections=max_connections)
         serve_llm(host, port, api_key, model_dir=model_dir, gguf=gguf, socket=socket, context=context,
-                  kv_dtype=kv_dtype, max_queue=max_queue, log_level="warning")
+                  kv_dtype=kv_dtype, max_queue=max_queue, limits=limits, log_level="warning")
 
     return serve_llm_cmd
 
