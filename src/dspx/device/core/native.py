@@ -292,6 +292,7 @@ def library_probe(path: str):
     rt = shim()
 
     def init():
+        probe._die_with_parent()
         lib = ctypes.CDLL(path)
         rt.dspx_rt_collect_begin()
         getattr(lib, INIT_SYMBOL)()

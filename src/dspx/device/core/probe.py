@@ -106,6 +106,7 @@ def in_child(fn: Callable[[], object], timeout_s: int) -> Outcome:
 _REQUEST = struct.Struct("<BIqQ")  # kind, timeout s, ddr_free (-1: none), payload length
 _ANSWER = struct.Struct("<BiiB")  # hung, signal (0: none), exit code, returned
 MODULE, LIBRARY = 1, 2
+EXIT_INTERRUPTED = 75  # as worker.EXIT_TORN_IMPORT: the core ended itself to restart clean
 ANSWER_SLACK_S = 30  # on top of the probe's own limit: the zygote answers within timeout + 5 s
 
 
@@ -152,6 +153,15 @@ class Zygote:
                 hung, sig, code, returned = _ANSWER.unpack(_recv_exact(self.sock, _ANSWER.size))
             except (OSError, EOFError) as e:
                 raise RuntimeError(f"the core's probe process did not answer ({e})") from None
+            except BaseException:
+                # An abort (JobAborted from the front's signal) cut the exchange
+                # short: the zygote's answer would be read as the next one's, and
+                # this core cannot fork another.  End the core, as an abort in an
+                # import does: the front fails the job with the abort's status
+                # and restarts the core, with a new zygote.
+                os.write(2, b"dspx-core: a load probe was stopped mid-exchange; ending this core so that "
+                            b"it restarts with a new probe zygote\n")
+                os._exit(EXIT_INTERRUPTED)
         return Outcome(hung=bool(hung), signal=sig or None, exit_code=code, returned=bool(returned))
 
     def module(self, elf: bytes, ddr_free: int | None, timeout_s: int) -> Outcome:
@@ -171,15 +181,24 @@ def module_probe(elf, ddr_free: int | None) -> Callable[[], object]:
         kernels.register_all()
         _kernels_registered = True
     names = kernels.names()
-    return lambda: loader.load_module(elf, names, ddr_free=ddr_free).unload()
+
+    def load():
+        _die_with_parent()
+        loader.load_module(elf, names, ddr_free=ddr_free).unload()
+    return load
+
+
+def _die_with_parent() -> None:
+    """A probe child ends with the zygote that forked it (which ends with its core)."""
+    import ctypes
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 _kernels_registered = False
 
 
 def _serve(s: socket.socket, confine: Callable[[], None]) -> None:
-    import ctypes
-    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: die with the core
+    _die_with_parent()  # with the core
     keep = s.fileno()
     os.closerange(3, keep)
     os.closerange(keep + 1, 1 << 16)
