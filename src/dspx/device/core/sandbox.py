@@ -5,7 +5,7 @@ Three filters, written as classic BPF and installed with prctl through ctypes
 not be on every machine that runs the device):
 
 * ``install_probe()`` — in the throwaway child that loads a module or a
-  native op library first (``probe.in_child``).  Anything outside what
+  native op library first (``probe.in_child``, forked by the zygote).  Anything outside what
   loading needs ends the child at once (SECCOMP_RET_KILL_PROCESS): exec, a
   new process, sockets or sends on inherited ones, opening a file for
   writing or creating one, renaming, deleting or chmodding anything,
@@ -17,13 +17,21 @@ not be on every machine that runs the device):
 * ``install_core()`` — in every core, after its start-up (the SDK shim is
   built and loaded, the planner forked) and before the first job: an
   allow-list of what a core uses (CORE_ALLOW); no new files (open/openat
-  only read-only, no mkdir/unlink/rename …), no sockets, no fork — EPERM,
-  so Python code gets an OSError; exec, ptrace and the administrative calls
+  only read-only, no mkdir/unlink/rename …), no sockets, no fork (clone
+  only with CLONE_THREAD), signals only to itself — EPERM, so Python code
+  gets an OSError; exec, ptrace and the administrative calls
   end the core (CORE_KILL).  docs/reliability.md §5b says what it allows,
   why, and what it does not stop.
+* ``install_zygote()`` — in the core's probe zygote (probe.Zygote), which
+  forks the probes: the core's list, plus fork, wait4, alarm and SIGKILL to
+  a pid > 0.
 * ``install_planner()`` — in the core's planner (planner.py), which writes
   onnxruntime's optimized graphs to its temporary directory: no exec, no
   sockets, no administrative calls.
+
+Before the filters: ``drop_privileges()`` (no capability, even under uid 0;
+non-dumpable) and ``landlock()`` (reads beneath given trees only, no writes,
+no signals outside).  docs/reliability.md §5c lists what each allows and why.
 
 The filters are inherited by every thread and child and cannot be removed.
 """
@@ -86,7 +94,8 @@ NR = dict(read=0, write=1, open=2, close=3, stat=4, fstat=5, lstat=6, poll=7, ls
           pidfd_send_signal=424, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, open_tree=428,
           move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, pidfd_open=434, clone3=435,
           close_range=436, openat2=437, pidfd_getfd=438, faccessat2=439, process_madvise=440, epoll_pwait2=441,
-          mount_setattr=442, landlock_create_ruleset=444, landlock_add_rule=445, landlock_restrict_self=446, memfd_secret=447, futex_waitv=449, fchmodat2=452)
+          mount_setattr=442, landlock_create_ruleset=444, landlock_add_rule=445, landlock_restrict_self=446,
+          memfd_secret=447, futex_waitv=449, fchmodat2=452)
 
 # ---------------------------------------------------------------- the core's allow-list
 # Everything a core does after its start-up, collected with strace -f -c over
@@ -154,7 +163,7 @@ TIOCSTI, TIOCLINUX = 0x5412, 0x541C
 RET_LOG = 0x7FFC0000
 
 # ---------------------------------------------------------------- the probe's deny-list
-# The probe (a fork of the core) stacks this on the core's filter: what the
+# The probe (a fork of the zygote) stacks this on the zygote's filter: what the
 # core merely refuses, the probe dies of — so a load that tries it is refused.
 CORE_DENY = CORE_KILL + CORE_REFUSED
 PROBE_DENY = CORE_DENY + ("sendto", "sendmsg", "sendmmsg", "kill", "tgkill", "rt_sigqueueinfo",
