@@ -5,7 +5,7 @@ client brings in three places, and an attack is tested from each:
 
 * ``handler``: a C op library's operator, in the core, during an RPC;
 * ``init``: a C op library's ``dspx_ops_init``, which runs first in the
-  load probe (a fork of the core under a stricter filter) and then in the core;
+  load probe (forked by the core's probe zygote, under a stricter filter) and then in the core;
 * ``ctor``: the ELF constructor of a module with no imports, which runs in
   DLOAD's probe.  The module is a fake (no TVM library inside), so even a
   harmless constructor's load ends in ERR_LOAD "dynamic loading failed"

@@ -287,17 +287,22 @@ def _demangle(name: str) -> str:
     return name
 
 
-def _probe(path: str, filename: str) -> None:
-    """Run dspx_ops_init once in a forked child: a crash or hang there is
-    ERR_LOAD and never reaches the core."""
+def library_probe(path: str):
+    """What the probe of an op library runs: dlopen it, then its init."""
     rt = shim()
 
     def init():
+        probe._die_with_parent()
         lib = ctypes.CDLL(path)
         rt.dspx_rt_collect_begin()
         getattr(lib, INIT_SYMBOL)()
+    return init
 
-    out = probe.in_child(init, PROBE_TIMEOUT_S)
+
+def _probe(fd: int, filename: str) -> None:
+    """Run dspx_ops_init once in a throwaway child (the core's probe zygote
+    forks it): a crash or hang there is ERR_LOAD and never reaches the core."""
+    out = probe.run_library(fd, PROBE_TIMEOUT_S)
     if out.hung:
         raise OpLoadError(f"{filename}: {INIT_SYMBOL} did not return within {PROBE_TIMEOUT_S} s")
     if out.signal == signal.SIGSYS:
@@ -329,7 +334,7 @@ class NativeLibrary:
             # later dlopen of the same /proc path return this library.
             path = f"/proc/self/fd/{self._fd}"
             if probe:
-                _probe(path, filename)
+                _probe(self._fd, filename)
             try:
                 self._dll = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
             except OSError as e:

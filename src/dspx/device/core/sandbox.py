@@ -5,7 +5,7 @@ Three filters, written as classic BPF and installed with prctl through ctypes
 not be on every machine that runs the device):
 
 * ``install_probe()`` — in the throwaway child that loads a module or a
-  native op library first (``probe.in_child``).  Anything outside what
+  native op library first (``probe.in_child``, forked by the zygote).  Anything outside what
   loading needs ends the child at once (SECCOMP_RET_KILL_PROCESS): exec, a
   new process, sockets or sends on inherited ones, opening a file for
   writing or creating one, renaming, deleting or chmodding anything,
@@ -17,13 +17,21 @@ not be on every machine that runs the device):
 * ``install_core()`` — in every core, after its start-up (the SDK shim is
   built and loaded, the planner forked) and before the first job: an
   allow-list of what a core uses (CORE_ALLOW); no new files (open/openat
-  only read-only, no mkdir/unlink/rename …), no sockets, no fork — EPERM,
-  so Python code gets an OSError; exec, ptrace and the administrative calls
+  only read-only, no mkdir/unlink/rename …), no sockets, no fork (clone
+  only with CLONE_THREAD), signals only to itself — EPERM, so Python code
+  gets an OSError; exec, ptrace and the administrative calls
   end the core (CORE_KILL).  docs/reliability.md §5b says what it allows,
   why, and what it does not stop.
+* ``install_zygote()`` — in the core's probe zygote (probe.Zygote), which
+  forks the probes: the core's list, plus fork, wait4, alarm and SIGKILL to
+  a pid > 0.
 * ``install_planner()`` — in the core's planner (planner.py), which writes
   onnxruntime's optimized graphs to its temporary directory: no exec, no
   sockets, no administrative calls.
+
+Before the filters: ``drop_privileges()`` (no capability, even under uid 0;
+non-dumpable) and ``landlock()`` (reads beneath given trees only, no writes,
+no signals outside).  docs/reliability.md §5c lists what each allows and why.
 
 The filters are inherited by every thread and child and cannot be removed.
 """
@@ -86,7 +94,8 @@ NR = dict(read=0, write=1, open=2, close=3, stat=4, fstat=5, lstat=6, poll=7, ls
           pidfd_send_signal=424, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, open_tree=428,
           move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, pidfd_open=434, clone3=435,
           close_range=436, openat2=437, pidfd_getfd=438, faccessat2=439, process_madvise=440, epoll_pwait2=441,
-          mount_setattr=442, landlock_create_ruleset=444, memfd_secret=447, futex_waitv=449, fchmodat2=452)
+          mount_setattr=442, landlock_create_ruleset=444, landlock_add_rule=445, landlock_restrict_self=446,
+          memfd_secret=447, futex_waitv=449, fchmodat2=452)
 
 # ---------------------------------------------------------------- the core's allow-list
 # Everything a core does after its start-up, collected with strace -f -c over
@@ -111,11 +120,12 @@ CORE_ALLOW = (
     "pwrite64", "writev", "pwritev", "memfd_create", "ftruncate", "fallocate", "fsync", "fdatasync",
     "dup", "dup2", "dup3", "pipe", "pipe2", "eventfd", "eventfd2", "timerfd_create", "timerfd_settime",
     "timerfd_gettime", "getsockopt", "setsockopt", "getsockname", "getpeername", "shutdown",
-    # threads (clone is checked below), the load probe's fork + watchdog, signals
-    "set_robust_list", "get_robust_list", "rseq", "set_tid_address", "gettid", "exit", "exit_group", "wait4",
-    "waitid", "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "rt_sigsuspend", "rt_sigtimedwait", "sigaltstack",
-    "restart_syscall", "kill", "tgkill", "tkill", "alarm", "setitimer", "getitimer", "timer_create",
-    "timer_settime", "timer_gettime", "timer_delete",
+    # threads (clone: threads only, checked below), signal handlers and masks
+    # (the front's abort signals), timers; signals are sent only to itself (below)
+    "set_robust_list", "get_robust_list", "rseq", "set_tid_address", "gettid", "exit", "exit_group",
+    "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "rt_sigsuspend", "rt_sigtimedwait", "sigaltstack",
+    "restart_syscall", "setitimer", "getitimer", "timer_create", "timer_settime", "timer_gettime",
+    "timer_delete",
     # who and where it is, its limits and CPU placement (thread pools size themselves)
     "getpid", "getppid", "getuid", "geteuid", "getgid", "getegid", "getresuid", "getresgid", "getgroups",
     "getpgrp", "uname", "sysinfo", "times", "getrusage", "getrlimit", "prlimit64", "getpriority",
@@ -125,11 +135,13 @@ CORE_ALLOW = (
 # Refused with EPERM, like everything not allowed above, but named so the
 # doc and the tests can say so: new files (open/openat with a write or create
 # flag, see WRITE_FLAGS) and changes to the file system, new sockets, new
-# processes that are not the probe's fork (vfork: subprocess), namespaces.
+# processes (fork, vfork: subprocess; clone without CLONE_THREAD, below),
+# signals to any other process (below), namespaces.
 CORE_REFUSED = ("creat", "openat2", "mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat",
                 "renameat2", "link", "linkat", "symlink", "symlinkat", "truncate", "chmod", "fchmod", "fchmodat",
                 "fchmodat2", "chown", "fchown", "lchown", "fchownat", "mknod", "mknodat", "utimensat", "socket",
-                "socketpair", "connect", "bind", "listen", "accept", "accept4", "vfork", "fork")
+                "socketpair", "connect", "bind", "listen", "accept", "accept4", "vfork", "fork", "tkill",
+                "pidfd_open", "pidfd_send_signal")
 # What ends the core at once (SECCOMP_RET_KILL_PROCESS): no legitimate path
 # in a core makes these, and code that tries is hostile — running another
 # program, reading or writing another process, administering the machine.
@@ -142,7 +154,7 @@ CORE_KILL = ("execve", "execveat", "ptrace", "process_vm_readv", "process_vm_wri
              "settimeofday", "clock_settime", "adjtimex", "clock_adjtime", "sethostname", "setdomainname",
              "quotactl", "acct", "fsopen", "fsmount", "fsconfig", "move_mount", "open_tree", "fspick",
              "mount_setattr", "uselib", "personality", "vhangup", "fanotify_init", "lookup_dcookie")
-# clone: threads and a plain fork only; never a new namespace
+# clone: threads only in a core (a plain fork in the zygote); never a new namespace
 # (CLONE_NEWNS NEWCGROUP NEWUTS NEWIPC NEWUSER NEWPID NEWNET, and NEWTIME).
 CLONE_NEW_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | \
     0x40000000 | 0x00000080
@@ -151,10 +163,15 @@ TIOCSTI, TIOCLINUX = 0x5412, 0x541C
 RET_LOG = 0x7FFC0000
 
 # ---------------------------------------------------------------- the probe's deny-list
-# The probe (a fork of the core) stacks this on the core's filter: what the
+# The probe (a fork of the zygote) stacks this on the zygote's filter: what the
 # core merely refuses, the probe dies of — so a load that tries it is refused.
 CORE_DENY = CORE_KILL + CORE_REFUSED
-PROBE_DENY = CORE_DENY + ("sendto", "sendmsg", "sendmmsg", "kill", "tkill", "tgkill")
+PROBE_DENY = CORE_DENY + ("sendto", "sendmsg", "sendmmsg", "kill", "tgkill", "rt_sigqueueinfo",
+                          "rt_tgsigqueueinfo")
+# Signals a core may send, and only to itself (arg 0 is its pid, both 32-bit
+# halves compared): raise() and pthread_kill are tgkill(getpid(), tid).
+SELF_SIGNALS = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
+SIGKILL = 9
 
 _INSN = struct.Struct("<HBBI")
 _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
@@ -162,6 +179,10 @@ _LD_ABS, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
 
 def _arg(i: int) -> int:
     return 16 + 8 * i  # low 32 bits of seccomp_data.args[i] (little endian)
+
+
+def _arg_hi(i: int) -> int:
+    return 20 + 8 * i  # its high 32 bits
 
 
 def program(deny, action: int, *, open_flags: bool, threads_only: bool, clone3_enosys: bool) -> bytes:
@@ -207,22 +228,37 @@ def install_probe() -> None:
     _install(program(PROBE_DENY, RET_KILL_PROCESS, open_flags=True, threads_only=True, clone3_enosys=True))
 
 
-def core_program(default: int = RET_ERRNO | EPERM) -> bytes:
-    """The core's filter: CORE_ALLOW is allowed (first: the hot calls pass
-    after a few comparisons); clone only without namespace flags; clone3 is
-    ENOSYS (its flags are in memory BPF cannot read: libc falls back to
-    clone); open/openat only without a write or create flag; ioctl but not
-    TIOCSTI/TIOCLINUX (typing into a terminal the device was started from);
-    CORE_KILL ends the process; anything else gets ``default`` (EPERM, so a
-    rare path fails as an OSError in its caller, not as a dead core;
-    RET_LOG for DSPX_SANDBOX=log, which then logs the kills too)."""
+def core_program(default: int = RET_ERRNO | EPERM, *, pid: int, zygote: bool = False) -> bytes:
+    """The core's filter (``pid``: the core's own): CORE_ALLOW is allowed
+    (first: the hot calls pass after a few comparisons); clone only with
+    CLONE_THREAD and without namespace flags; clone3 is ENOSYS (its flags
+    are in memory BPF cannot read: libc falls back to clone); kill, tgkill,
+    rt_(tg)sigqueueinfo only to ``pid``; open/openat only without a write or
+    create flag; ioctl but not TIOCSTI/TIOCLINUX (typing into a terminal the
+    device was started from); CORE_KILL ends the process; anything else gets
+    ``default`` (EPERM, so a rare path fails as an OSError in its caller, not
+    as a dead core; RET_LOG for DSPX_SANDBOX=log, which then logs the kills too).
+
+    ``zygote``: the probe zygote's filter (probe.Zygote), the same but it
+    may fork (clone without CLONE_THREAD), wait for its children, set their
+    alarm, and SIGKILL a pid > 0 (a hung probe child)."""
     kill = RET_KILL_PROCESS if default != RET_LOG else RET_LOG
     p = [(_LD_ABS, 0, 0, 4), (_JEQ, 1, 0, AUDIT_ARCH_X86_64), (_RET, 0, 0, RET_KILL_PROCESS),
          (_LD_ABS, 0, 0, 0), (_JGE, 0, 1, X32_BIT), (_RET, 0, 0, RET_KILL_PROCESS)]
-    for name in CORE_ALLOW:
+    for name in CORE_ALLOW + (("wait4", "alarm") if zygote else ()):
         p += [(_JEQ, 0, 1, NR[name]), (_RET, 0, 0, RET_ALLOW)]
-    p += [(_JEQ, 0, 4, NR["clone"]), (_LD_ABS, 0, 0, _arg(0)), (_JSET, 0, 1, CLONE_NEW_NAMESPACES),
-          (_RET, 0, 0, default), (_RET, 0, 0, RET_ALLOW)]
+    if zygote:  # a fork, never a namespace; SIGKILL to a pid > 0 (its hung child)
+        p += [(_JEQ, 0, 4, NR["clone"]), (_LD_ABS, 0, 0, _arg(0)), (_JSET, 0, 1, CLONE_NEW_NAMESPACES),
+              (_RET, 0, 0, default), (_RET, 0, 0, RET_ALLOW)]
+        p += [(_JEQ, 0, 9, NR["kill"]), (_LD_ABS, 0, 0, _arg_hi(0)), (_JEQ, 0, 6, 0),
+              (_LD_ABS, 0, 0, _arg(0)), (_JGE, 4, 0, 0x80000000), (_JEQ, 3, 0, 0),
+              (_LD_ABS, 0, 0, _arg(1)), (_JEQ, 0, 1, SIGKILL), (_RET, 0, 0, RET_ALLOW), (_RET, 0, 0, default)]
+    else:  # threads only
+        p += [(_JEQ, 0, 5, NR["clone"]), (_LD_ABS, 0, 0, _arg(0)), (_JSET, 2, 0, CLONE_NEW_NAMESPACES),
+              (_JSET, 0, 1, CLONE_THREAD), (_RET, 0, 0, RET_ALLOW), (_RET, 0, 0, default)]
+    for name in SELF_SIGNALS[int(zygote):]:  # arg 0 == pid, both halves
+        p += [(_JEQ, 0, 6, NR[name]), (_LD_ABS, 0, 0, _arg(0)), (_JEQ, 0, 3, pid), (_LD_ABS, 0, 0, _arg_hi(0)),
+              (_JEQ, 0, 1, 0), (_RET, 0, 0, RET_ALLOW), (_RET, 0, 0, default)]
     p += [(_JEQ, 0, 1, NR["clone3"]), (_RET, 0, 0, RET_ERRNO | ENOSYS)]
     for name, arg in (("open", 1), ("openat", 2)):
         p += [(_JEQ, 0, 4, NR[name]), (_LD_ABS, 0, 0, _arg(arg)), (_JSET, 0, 1, WRITE_FLAGS),
@@ -246,7 +282,104 @@ def install_planner() -> None:
 
 
 def install_core(log_only: bool = False) -> None:
-    _install(core_program(RET_LOG if log_only else RET_ERRNO | EPERM))
+    _install(core_program(RET_LOG if log_only else RET_ERRNO | EPERM, pid=os.getpid()))
+
+
+def install_zygote() -> None:
+    _install(core_program(pid=os.getpid(), zygote=True))
+
+
+# ---------------------------------------------------------------- capabilities, Landlock
+PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, PR_SET_DUMPABLE = 24, 47, 4, 4
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def drop_privileges() -> None:
+    """Every capability gone for good, even under uid 0: the bounding set
+    emptied (PR_CAPBSET_DROP, so no exec could bring one back), ambient
+    cleared, effective/permitted/inheritable emptied (capset); and the process
+    made non-dumpable, so no process of the same uid without CAP_SYS_PTRACE
+    (another core, a probe) may open its /proc/<pid>/fd, mem or maps.  With
+    no capability left, this process in turn cannot open those of a process
+    that has any (the front), nor of a non-dumpable one."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # EPERM without CAP_SETPCAP: an unprivileged start has none
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset to no capabilities failed")
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
+LANDLOCK_CREATE_RULESET_VERSION, LANDLOCK_RULE_PATH_BENEATH = 1, 1
+# LANDLOCK_ACCESS_FS_*: execute, write_file, read_file, read_dir, then the
+# changes to the tree (remove, make_*, refer, truncate, ioctl_dev by ABI).
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1, 2, 4, 8
+_FS_ALL_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 4: (1 << 15) - 1, 5: (1 << 16) - 1}
+LANDLOCK_SCOPE_SIGNAL = 2  # ABI 6: no signal to a process outside this domain
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 without it (not built, or not in the LSM list)."""
+    if not supported():
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    v = libc.syscall(NR["landlock_create_ruleset"], None, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    return max(v, 0)
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def landlock(read_paths) -> int:
+    """Confine this process (and what it forks) with Landlock: no file
+    written, created, removed or renamed anywhere, files read only beneath
+    ``read_paths``, and (ABI >= 6) no signal to a process outside this
+    domain.  Fds already open (memfds, sockets, its log) are not affected.
+    Returns the ABI used, 0 where the kernel has no Landlock."""
+    abi = landlock_abi()
+    if abi == 0:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    handled = _FS_ALL_BY_ABI.get(abi, (1 << 16) - 1)
+    attr = _RulesetAttr(handled, 0, LANDLOCK_SCOPE_SIGNAL if abi >= 6 else 0)
+    size = ctypes.sizeof(attr) if abi >= 6 else 8
+    ruleset = libc.syscall(NR["landlock_create_ruleset"], ctypes.byref(attr), size, 0)
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    try:
+        for path in read_paths:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # not on this machine
+            try:
+                read = FS_READ_FILE | (FS_READ_DIR if os.path.isdir(path) else 0)
+                rule = _PathBeneath(read, fd)
+                if libc.syscall(NR["landlock_add_rule"], ruleset, LANDLOCK_RULE_PATH_BENEATH,
+                                ctypes.byref(rule), 0) != 0:
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
+            finally:
+                os.close(fd)
+        if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+        if libc.syscall(NR["landlock_restrict_self"], ruleset, 0) != 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
+    finally:
+        os.close(ruleset)
+    return abi
 
 
 # "0" turns both filters off (for debugging a core); "log": the core's filter

@@ -254,7 +254,7 @@ class CoreWorker:
         everything: a damaged module tree inside an otherwise well-formed ELF
         makes TVM's deserializer abort the whole process (found by the
         fuzzer: a truncated module spliced with older staging bytes).  A
-        forked child takes that hit instead of the core; ordinary refusals
+        throwaway child (forked by the core's probe zygote) takes that hit instead of the core; ordinary refusals
         (an exception) are left to the real load, which reports them
         precisely.  Costs one fork (copy-on-write) per load; set
         DSPX_LOAD_PROBE=0 in the device's environment to skip it."""
@@ -262,9 +262,8 @@ class CoreWorker:
         from .errors import LoadError
 
         loader._check_ident(memoryview(elf).cast("B"))  # not an ELF at all: refused here, no fork
-        names = self.kernel_names()  # before the fork: the child must not do first-time set-up
-        out = probe.in_child(lambda: loader.load_module(elf, names, ddr_free=ddr_free).unload(),
-                             LOAD_PROBE_TIMEOUT_S)
+        self.kernel_names()  # the real load's set-up, not the probe's
+        out = probe.run_module(elf, ddr_free, LOAD_PROBE_TIMEOUT_S)
         if out.hung:
             raise LoadError(f"loading the module hung (no result within {LOAD_PROBE_TIMEOUT_S:.0f} s); "
                             f"it is damaged or not a module for this device")
@@ -356,20 +355,51 @@ class CoreWorker:
             jobs.send(self.ep, jobs.Done(rec.job, int(status), seq=rec.seq))
 
     def _contain(self) -> None:
-        """Drop what no job needs before the first one (sandbox.install_core):
-        the SDK shim is built and loaded now, while exec is still allowed, and
-        the planner (the kernel library's one use of files) forked."""
+        """Drop what no job needs before the first one: the SDK shim is built
+        and loaded now, while exec is still allowed; every capability goes
+        and the core becomes non-dumpable (sandbox.drop_privileges); the
+        planner (the kernel library's one use of files) and the probe zygote
+        (the only process that forks for this core) are forked; then Landlock
+        (reads beneath the interpreter's and libraries' trees, no writes, no
+        signals outside) and the core's seccomp filter."""
         if not sandbox.enabled():
             return
         from . import native, planner
+        from ...log import setup  # the host's logging setup, level from $DSPX_LOG_LEVEL
+        log = setup(prefix="dspx-core")
         native.shim()
+        in_force = []
+        try:
+            sandbox.drop_privileges()
+            in_force.append("capabilities dropped, non-dumpable")
+        except OSError as e:
+            log.warning("capabilities not dropped (%s)", e)
         self.planner = planner.Planner()
+        status = self.status
+
+        def confine_zygote():
+            status.close()  # the front's status page is no business of a probe
+            sys.dont_write_bytecode = True
+            sandbox.landlock(_read_paths())
+            sandbox.install_zygote()
+        probe.zygote = probe.Zygote(confine_zygote)
         sys.dont_write_bytecode = True  # imports after this read .pyc files, never write them
         try:
-            sandbox.install_core(log_only=sandbox.log_only())
+            abi = sandbox.landlock(_read_paths())
+            in_force.append(f"Landlock ABI {abi} (reads beneath {len(_read_paths())} trees, no writes, "
+                            f"no signals outside)" if abi else "no Landlock (the kernel has none)")
         except OSError as e:
-            from ...log import setup  # the host's logging setup, level from $DSPX_LOG_LEVEL
-            setup(prefix="dspx-core").warning("seccomp filter not installed (%s); running without it", e)
+            log.warning("Landlock not applied (%s)", e)
+        try:
+            sandbox.install_core(log_only=sandbox.log_only())
+            in_force.append("seccomp allow-list" + (" (log only)" if sandbox.log_only() else ""))
+        except OSError as e:
+            log.warning("seccomp filter not installed (%s); running without it", e)
+        if self.index == 0:
+            # One line per device start (core 0's, at every log level), saying what holds its cores.
+            in_force.insert(1, f"uid {os.getuid()} as the front (no separate uid or user namespace: "
+                               f"docs/reliability.md §5c)")
+            os.write(2, f"dspx-core 0: containment of cores and probes: {'; '.join(in_force)}\n".encode())
 
     def serve(self) -> None:
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
@@ -429,6 +459,19 @@ class CoreWorker:
         except jobs.RecordTooLarge as e:
             jobs.send(self.ep, jobs.Done(done.job, int(Status.ERR_GENERIC), f"the result could not be reported: {e}",
                                          done.seq))
+
+
+def _read_paths() -> list[str]:
+    """The trees a core may read files beneath (Landlock): the interpreter,
+    its libraries and sys.path (lazy imports of TVM, torch, onnxruntime),
+    the system's libraries and configuration (dlopen, ld.so.cache), /proc,
+    /sys and /dev (its own /proc/self, CPU topology for thread pools,
+    /dev/urandom), and the SDK's cache (kernel libraries built at start)."""
+    from ... import sdk
+    paths = ["/usr", "/lib", "/lib64", "/etc", "/proc", "/sys", "/dev", sys.prefix, sys.base_prefix,
+             sys.exec_prefix, str(sdk.cache_root())]
+    paths += [os.path.realpath(p or ".") for p in sys.path]
+    return sorted(set(paths))
 
 
 def _importing(frame) -> str:
