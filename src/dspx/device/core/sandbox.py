@@ -86,7 +86,7 @@ NR = dict(read=0, write=1, open=2, close=3, stat=4, fstat=5, lstat=6, poll=7, ls
           pidfd_send_signal=424, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, open_tree=428,
           move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, pidfd_open=434, clone3=435,
           close_range=436, openat2=437, pidfd_getfd=438, faccessat2=439, process_madvise=440, epoll_pwait2=441,
-          mount_setattr=442, landlock_create_ruleset=444, memfd_secret=447, futex_waitv=449, fchmodat2=452)
+          mount_setattr=442, copy_file_range=326, landlock_create_ruleset=444, memfd_secret=447, futex_waitv=449, fchmodat2=452)
 
 # ---------------------------------------------------------------- the core's allow-list
 # Everything a core does after its start-up, collected with strace -f -c over
@@ -278,7 +278,8 @@ FRONT_ALLOW = (
     "sched_yield", "getrandom", "restart_syscall",
     # memory: Python's heap, the status pages and kept copies (memfds it writes and seals)
     "mmap", "munmap", "mremap", "mprotect", "madvise", "brk", "memfd_create", "ftruncate", "fallocate",
-    "pread64", "pwrite64", "readv", "writev", "lseek", "dup", "dup2", "dup3", "fstat", "newfstatat", "statx",
+    "pread64", "pwrite64", "readv", "writev", "lseek", "copy_file_range", "sendfile", "dup", "dup2", "dup3",
+    "fstat", "newfstatat", "statx",
     # files: a client's module bytes, /proc for the cores' RSS (psutil), the spare fd, its log and trace
     "open", "openat", "stat", "lstat", "access", "faccessat", "faccessat2", "readlink", "readlinkat",
     "getdents64", "getcwd", "fsync", "fdatasync", "unlink", "unlinkat",  # the socket path at shutdown
