@@ -17,11 +17,12 @@ SMALL = ["--carveout-size", "64M", "--ddr-pool-size", "64M"]
 class Device:
     """A `python -m dspx.device` process on its own socket."""
 
-    def __init__(self, *args):
+    def __init__(self, *args, prefix=()):
+        """``prefix``: a command the device runs under (e.g. setpriv)."""
         self.dir = tempfile.mkdtemp(prefix="dspx-test-")
         self.path = os.path.join(self.dir, "dsp0.sock")
         self.log = open(os.path.join(self.dir, "device.log"), "w+b")
-        self.proc = subprocess.Popen([sys.executable, "-m", "dspx.device", "--socket", self.path, *args],
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "dspx.device", "--socket", self.path, *args],
                                      stdout=self.log, stderr=self.log)
         deadline = time.monotonic() + 60
         while not is_listening(self.path):

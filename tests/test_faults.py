@@ -159,13 +159,18 @@ def test_client_killed_in_each_phase_leaves_nothing_behind(fdev, so, phase):
         observer.close()
 
 
+def cores_of(d) -> set[int]:
+    """The front's core processes (its other child is the core spawner)."""
+    return {p.pid for p in psutil.Process(d.proc.pid).children() if p.name() != "dspx-spawner"}
+
+
 def test_stubborn_long_op_costs_a_core_restart_but_nothing_else(fdev, so):
     """The abort path of last resort: the job ignores the abort request, the
     front kills and restarts its core (core 1), the connection's memory is
     freed within a second, and core 1 serves again with the op libraries."""
     observer = Client(fdev.path, staging_size=0, printf_size=0, timeout=20)
     try:
-        cores_before = psutil.Process(fdev.proc.pid).children()
+        cores_before = cores_of(fdev)
         victim = subprocess.Popen([sys.executable, "-c", VICTIM, fdev.path, hex(STUBBORN), str(so)],
                                   stdout=subprocess.PIPE, text=True)
         assert victim.stdout.readline().strip() == "ready"
@@ -188,8 +193,8 @@ def test_stubborn_long_op_costs_a_core_restart_but_nothing_else(fdev, so):
                     break
             except CallFailed:
                 assert time.monotonic() < deadline
-        after = psutil.Process(fdev.proc.pid).children()
-        assert len(after) == 2 and {p.pid for p in after} != {p.pid for p in cores_before}
+        after = cores_of(fdev)
+        assert len(after) == 2 and after != cores_before
     finally:
         observer.close()
 
@@ -266,7 +271,7 @@ def test_core_crash_is_supervised_and_modules_are_loaded_again(crashable, so):
         ref = bystander_output(bystander, by.handle)
         ddr = observer.pools()["ddr_used"]
         assert ddr > 0
-        core0 = {p.pid for p in psutil.Process(crashable.proc.pid).children()}
+        core0 = cores_of(crashable)
         # A task queued behind the crash on the same core still runs afterwards.
         crash = u.submit(u.rpc(FAULT_CRASH, u.malloc(4), u.malloc(4)), core=0)
         queued = u.submit(u.rpc(0x1402, u.malloc(24), u.malloc(4)), core=0)
@@ -282,6 +287,6 @@ def test_core_crash_is_supervised_and_modules_are_loaded_again(crashable, so):
         c.unload_module(mod.handle)
         with pytest.raises(BadHandle):
             c.unload_module(mod.handle)
-        after = {p.pid for p in psutil.Process(crashable.proc.pid).children()}
+        after = cores_of(crashable)
         assert len(after) == 2 and len(after - core0) == 1
         assert "core 0 died" in crashable.output()

@@ -94,8 +94,8 @@ NR = dict(read=0, write=1, open=2, close=3, stat=4, fstat=5, lstat=6, poll=7, ls
           pidfd_send_signal=424, io_uring_setup=425, io_uring_enter=426, io_uring_register=427, open_tree=428,
           move_mount=429, fsopen=430, fsconfig=431, fsmount=432, fspick=433, pidfd_open=434, clone3=435,
           close_range=436, openat2=437, pidfd_getfd=438, faccessat2=439, process_madvise=440, epoll_pwait2=441,
-          mount_setattr=442, landlock_create_ruleset=444, landlock_add_rule=445, landlock_restrict_self=446,
-          memfd_secret=447, futex_waitv=449, fchmodat2=452)
+          mount_setattr=442, copy_file_range=326, landlock_create_ruleset=444, landlock_add_rule=445,
+          landlock_restrict_self=446, memfd_secret=447, futex_waitv=449, fchmodat2=452)
 
 # ---------------------------------------------------------------- the core's allow-list
 # Everything a core does after its start-up, collected with strace -f -c over
@@ -394,3 +394,73 @@ def enabled() -> bool:
 
 def log_only() -> bool:
     return os.environ.get(SANDBOX_ENV) == "log"
+
+
+# ---------------------------------------------------------------- the front's allow-list
+# The front (front/loop.py) once it has started: its listening socket, the
+# cores' channels and the spawner's exist, every core has said hello.  From
+# then on it serves clients and supervises cores, and it never needs to run a
+# program or make a socket: cores are started by the spawner
+# (front/spawner.py), forked before this filter.  Collected with strace -f -c
+# over the device tests and checked with DSPX_SANDBOX=log.  Grouped by why.
+FRONT_ALLOW = (
+    # the event loop: epoll, clients' and cores' messages with their fds
+    "epoll_wait", "epoll_pwait", "epoll_ctl", "recvmsg", "sendmsg", "recvfrom", "sendto", "read", "write",
+    "poll", "ppoll", "select", "pselect6", "getsockopt", "setsockopt", "getsockname", "getpeername", "shutdown",
+    "close", "fcntl", "ioctl", "futex", "clock_gettime", "clock_nanosleep", "nanosleep", "gettimeofday", "time",
+    "sched_yield", "getrandom", "restart_syscall",
+    # memory: Python's heap, the status pages and kept copies (memfds it writes and seals)
+    "mmap", "munmap", "mremap", "mprotect", "madvise", "brk", "memfd_create", "ftruncate", "fallocate",
+    "pread64", "pwrite64", "readv", "writev", "lseek", "copy_file_range", "sendfile", "dup", "dup2", "dup3",
+    "fstat", "newfstatat", "statx",
+    # files: a client's module bytes, /proc for the cores' RSS (psutil), the spare fd, its log and trace
+    "open", "openat", "stat", "lstat", "access", "faccessat", "faccessat2", "readlink", "readlinkat",
+    "getdents64", "getcwd", "fsync", "fdatasync", "unlink", "unlinkat",  # the socket path at shutdown
+    # supervising cores: signals (abort, terminate, kill), their exit status
+    "kill", "tgkill", "tkill", "wait4", "waitid", "rt_sigaction", "rt_sigprocmask", "rt_sigreturn",
+    "sigaltstack", "getpid", "getppid", "gettid", "getuid", "geteuid", "getgid", "getegid",
+    # threads (Python may start one: DSPX_TRACE's writer), exit
+    "set_robust_list", "rseq", "set_tid_address", "exit", "exit_group", "prlimit64", "getrlimit",
+    "sched_getaffinity", "uname", "sysinfo", "prctl", "arch_prctl", "getrusage", "times",
+)
+# What ends the front at once: running a program (its job is the spawner's),
+# reading or writing another process, administering the machine.
+FRONT_KILL = ("execve", "execveat") + tuple(n for n in CORE_KILL if n not in ("execve", "execveat"))
+
+
+def front_program(listen_fd: int, default: int = RET_ERRNO | EPERM) -> bytes:
+    """The front's filter: FRONT_ALLOW is allowed; accept4 only on its
+    listening socket ``listen_fd``; clone only with CLONE_THREAD (a thread,
+    never a process), clone3 ENOSYS (libc falls back to clone); FRONT_KILL
+    ends the process; anything else — new sockets (socket, socketpair,
+    connect, bind, listen), fork — gets ``default`` (EPERM)."""
+    kill = RET_KILL_PROCESS if default != RET_LOG else RET_LOG
+    p = [(_LD_ABS, 0, 0, 4), (_JEQ, 1, 0, AUDIT_ARCH_X86_64), (_RET, 0, 0, RET_KILL_PROCESS),
+         (_LD_ABS, 0, 0, 0), (_JGE, 0, 1, X32_BIT), (_RET, 0, 0, RET_KILL_PROCESS)]
+    for name in FRONT_ALLOW:
+        p += [(_JEQ, 0, 1, NR[name]), (_RET, 0, 0, RET_ALLOW)]
+    for name in ("accept4", "accept"):
+        p += [(_JEQ, 0, 4, NR[name]), (_LD_ABS, 0, 0, _arg(0)), (_JEQ, 0, 1, listen_fd),
+              (_RET, 0, 0, RET_ALLOW), (_RET, 0, 0, default)]
+    p += [(_JEQ, 0, 4, NR["clone"]), (_LD_ABS, 0, 0, _arg(0)), (_JSET, 0, 1, CLONE_THREAD),
+          (_RET, 0, 0, RET_ALLOW), (_RET, 0, 0, default)]
+    p += [(_JEQ, 0, 1, NR["clone3"]), (_RET, 0, 0, RET_ERRNO | ENOSYS)]
+    for name in FRONT_KILL:
+        p += [(_JEQ, 0, 1, NR[name]), (_RET, 0, 0, kill)]
+    p.append((_RET, 0, 0, default))
+    return b"".join(_INSN.pack(*i) for i in p)
+
+
+def install_front(listen_fd: int, log_only: bool = False) -> None:
+    _install(front_program(listen_fd, RET_LOG if log_only else RET_ERRNO | EPERM))
+
+
+PR_SET_DUMPABLE = 4
+
+
+def set_non_dumpable() -> None:
+    """PR_SET_DUMPABLE 0: /proc/<pid>/fd, /mem, /environ and ptrace are closed
+    to every process without CAP_SYS_PTRACE, even of the same uid; no core
+    dump.  Inherited by fork, reset by execve."""
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import mmap
 import os
-import socket
 import subprocess
 import sys
 
@@ -44,8 +43,9 @@ class CoreProc:
         self.env = env
         self.generation = 0
         self.ep: Endpoint | None = None
-        self.proc: subprocess.Popen | None = None
+        self.proc = None  # spawner.ChildProc: the front's child, started by the spawner
         self.ready = False
+        self.lost = False  # it died and cannot be restarted (the spawner is gone)
         self.start_failures = 0  # restarts in a row that could not start a process
         self.retry_at = 0.0
         self._reset()
@@ -63,21 +63,22 @@ class CoreProc:
         self.timed_out = False  # the running job passed its deadline
         self.outq: collections.deque = collections.deque()
 
-    def start(self) -> None:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        status_fd = os.memfd_create(f"dspx-core{self.index}-status", os.MFD_CLOEXEC)
-        os.ftruncate(status_fd, jobs.STATUS_SIZE)
-        self.status = mmap.mmap(status_fd, jobs.STATUS_SIZE)
+    def command(self) -> tuple[list[str], dict]:
+        """The argv (without its fds) and environment this core is started with."""
         env = dict(os.environ if self.env is None else self.env)
         if self.threads:
             env.setdefault("OMP_NUM_THREADS", str(self.threads))
         env.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(TVM_SPIN_COUNT))
-        self.proc = subprocess.Popen(
-            [*self.COMMAND, "--fd", str(child.fileno()), "--status-fd", str(status_fd),
-             "--index", str(self.index), "--threads", str(self.threads)],
-            pass_fds=[child.fileno(), status_fd], env=env, stdin=subprocess.DEVNULL)
-        child.close()
-        os.close(status_fd)
+        return [*self.COMMAND, "--index", str(self.index), "--threads", str(self.threads)], env
+
+    def start(self, spawner) -> None:
+        """Start the core through the spawner (spawner.py: the front itself may not exec)."""
+        proc, parent, status_fd = spawner.spawn(self.index)
+        try:
+            self.status = mmap.mmap(status_fd, jobs.STATUS_SIZE)
+        finally:
+            os.close(status_fd)
+        self.proc = proc
         parent.setblocking(False)
         self.ep = jobs.endpoint(parent)
         self.generation += 1

@@ -28,7 +28,9 @@ from ...abi import protocol as P
 from ...abi.protocol import Status as S
 from ...transport import Endpoint, PeerClosed, Timeout, listen, peer_cred
 from .. import jobs
+from ..core import sandbox
 from .cores import CoreProc
+from .spawner import Spawner, SpawnerGone
 from .handlers import Cores, Forget, FrontJob, Handlers, Notify, Respond, Submit, _NoRoom, _To, failure
 from .state import MAX_PENDING, MAX_PENDING_PER_CONN, Conn, DeviceState, Limits, Reject
 
@@ -87,11 +89,16 @@ class Service:
         self._accept_paused = 0.0  # when accept() ran out of fds: retry after this time
         self._refused: dict[int, list] = {}  # fd -> [socket, close-by time, text, seq of the last refusal]
         self._spare_fd = -1  # given up when accept() runs out of fds, to refuse the newcomer
+        self.spawner: Spawner | None = None  # starts the cores (the front itself may not exec)
 
     # ================================================================ lifecycle
     def serve_forever(self) -> None:
         self.lsock = None
         self.running = True
+        # Nothing else of this uid (a core) may open /proc/<front>/fd or /mem,
+        # ptrace it or read its memory; the spawner inherits it.
+        sandbox.set_non_dumpable()
+        self._start_spawner()  # before any client, any socket but its own, and the filter
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         lsock = listen(self.path)
@@ -101,6 +108,9 @@ class Service:
         self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         for c in self.cores:
             self._start_core(c)
+        if sandbox.enabled():
+            # From here on: no exec, no new sockets (sandbox.front_program).
+            sandbox.install_front(self.lsock.fileno(), sandbox.log_only())
         lim = self.st.limits
         self.log(f"listening on {self.path} with {len(self.cores)} core(s); window {self.st.window.size >> 20} MiB "
                  f"({lim.conn_bytes >> 20} MiB per connection), DDR pool {self.st.ddr.size >> 20} MiB; limits: "
@@ -152,6 +162,8 @@ class Service:
         self.stopping = True
         for c in self.cores:
             c.stop()
+        if self.spawner is not None:
+            self.spawner.stop()
         for s, *_ in self._refused.values():
             s.close()
         for conn in list(self.st.conns.values()):
@@ -174,6 +186,8 @@ class Service:
             heapq.heapify(self.pending)
             for _, _, job in expired:
                 self._fail(job, S.ERR_TIMEOUT, "task timed out before a core could start it")
+        if self.spawner is not None and (why := self.spawner.check()):
+            self.log(f"{why}; the device serves on, but a core that dies now cannot be restarted")
         for c in self.cores:
             if c.ep is None:  # a restart that failed (e.g. out of fds): try again
                 if now >= c.retry_at:
@@ -194,8 +208,13 @@ class Service:
         return sum(psutil.Process(c.proc.pid).memory_info().rss for c in self.cores
                    if c.proc and c.proc.poll() is None) + psutil.Process().memory_info().rss
 
+    def _start_spawner(self) -> None:
+        if self.spawner is None:
+            self.spawner = Spawner({c.index: c.command() for c in self.cores})
+
     def _start_core(self, c: CoreProc, wait: bool = True) -> None:
-        c.start()
+        self._start_spawner()  # started by serve_forever; here for a Service driven in-process
+        c.start(self.spawner)
         self._register(c.ep.fileno(), self._on_core, c)
         if wait:
             # At start-up, block until the core says hello so the device never
@@ -260,12 +279,30 @@ class Service:
         """Start the core again; if it cannot start, retry later with a growing backoff."""
         try:
             self._start_core(c, wait=False)
+        except SpawnerGone as e:
+            c.ep, c.ready = None, False
+            c.retry_at = now + 0.05  # checked again with housekeeping: its jobs keep failing at once
+            if not c.lost:
+                c.lost = True
+                self.log(f"core {c.index} cannot be restarted: {e}; its jobs fail with ERR_CALL")
+            self._fail_unrunnable()
         except OSError as e:  # e.g. out of fds
             c.ep, c.ready = None, False
             c.start_failures += 1
             delay = min(5.0, 0.1 * 2 ** c.start_failures)
             c.retry_at = now + delay
             self.log(f"core {c.index} could not be restarted ({e}); retrying in {delay:.1f} s")
+
+    def _fail_unrunnable(self) -> None:
+        """Fail the queued jobs no core can run any more (their cores are lost with the spawner)."""
+        live = [c.index for c in self.cores if not c.lost]
+        dead = [e for e in self.pending if not (live and (e[2].core == P.CORE_ANY or e[2].core in live))]
+        if dead:
+            self.pending = [e for e in self.pending if e not in dead]
+            heapq.heapify(self.pending)
+            for _, _, job in dead:
+                self._fail(job, S.ERR_CALL, "no core can run this job: its core died and the core spawner "
+                                            "is gone, so it cannot be restarted")
 
     def _on_core(self, c: CoreProc, events: int) -> None:
         if events & _EPOLLOUT and c.flush():
