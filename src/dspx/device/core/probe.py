@@ -48,6 +48,11 @@ def in_child(fn: Callable[[], object], timeout_s: int) -> Outcome:
             ctypes.CDLL(None).__cxa_atexit(hook, None, None)
         except (OSError, AttributeError):
             pass
+        # The core's channel to the front, its status page, client sockets
+        # and buffers: nothing the loaded code may reach.  Only stdio (for a
+        # crash's message) and the pipe that says "returned" stay open.
+        os.closerange(3, w)
+        os.closerange(w + 1, os.sysconf("SC_OPEN_MAX"))
         # A watchdog no Python code can block: SIGALRM's default action ends
         # the child even when it is stuck in native code.
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
