@@ -287,7 +287,7 @@ def _demangle(name: str) -> str:
     return name
 
 
-def _probe(path: str, filename: str) -> None:
+def _probe(path: str, fd: int, filename: str) -> None:
     """Run dspx_ops_init once in a forked child: a crash or hang there is
     ERR_LOAD and never reaches the core."""
     rt = shim()
@@ -297,7 +297,7 @@ def _probe(path: str, filename: str) -> None:
         rt.dspx_rt_collect_begin()
         getattr(lib, INIT_SYMBOL)()
 
-    out = probe.in_child(init, PROBE_TIMEOUT_S)
+    out = probe.in_child(init, PROBE_TIMEOUT_S, keep=(fd,))  # the library's memfd: all else is closed
     if out.hung:
         raise OpLoadError(f"{filename}: {INIT_SYMBOL} did not return within {PROBE_TIMEOUT_S} s")
     if out.signal == signal.SIGSYS:
@@ -329,7 +329,7 @@ class NativeLibrary:
             # later dlopen of the same /proc path return this library.
             path = f"/proc/self/fd/{self._fd}"
             if probe:
-                _probe(path, filename)
+                _probe(path, self._fd, filename)
             try:
                 self._dll = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
             except OSError as e:

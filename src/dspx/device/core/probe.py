@@ -31,7 +31,7 @@ class Outcome:
         return signal.Signals(self.signal).name if self.signal else ""
 
 
-def in_child(fn: Callable[[], object], timeout_s: int) -> Outcome:
+def in_child(fn: Callable[[], object], timeout_s: int, keep: tuple[int, ...] = ()) -> Outcome:
     r, w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:  # the child: never returns, never talks to the front
@@ -50,9 +50,13 @@ def in_child(fn: Callable[[], object], timeout_s: int) -> Outcome:
             pass
         # The core's channel to the front, its status page, client sockets
         # and buffers: nothing the loaded code may reach.  Only stdio (for a
-        # crash's message) and the pipe that says "returned" stay open.
-        os.closerange(3, w)
-        os.closerange(w + 1, os.sysconf("SC_OPEN_MAX"))
+        # crash's message), the pipe that says "returned" and ``keep`` (the
+        # code being loaded) stay open.
+        first = 3
+        for fd in sorted({w, *keep}):
+            os.closerange(first, fd)
+            first = fd + 1
+        os.closerange(first, os.sysconf("SC_OPEN_MAX"))
         # A watchdog no Python code can block: SIGALRM's default action ends
         # the child even when it is stuck in native code.
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
