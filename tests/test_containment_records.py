@@ -165,3 +165,33 @@ def test_the_load_probe_holds_no_fd_of_the_core(dev, tmp_path):
     # itself; both probes are the same probe.in_child)
     got = attacks.launch(dev.path, tmp_path, "init", PROBE_FDS, arg=dev.proc.pid)
     assert got.status == "", got
+
+
+SOCKETS = r"""
+unsigned char st[144];
+long n = 0;
+for (long fd = 0; fd < 4096; fd++)
+    if (sc(5, fd, (long)st, 0, 0, 0, 0) == 0 && ((*(unsigned int *)(st + 24)) & 0170000) == 0140000) n++;
+return n;
+"""
+
+
+@attacks.needs_cc
+def test_a_core_holds_only_its_current_owner_s_client_socket(dev, tmp_path):
+    """After another connection's call ran on the core, its socket is gone
+    there: the handler counts the same sockets (its channel, its own client's)."""
+    elf = attacks.build(tmp_path, "handler", SOCKETS)
+    with Tasks(socket=dev.path) as a, Tasks(socket=dev.path) as b:
+        h, _ = a.load_ops(elf)
+        mems = {}
+        for who in (a, b):
+            mems[id(who)] = (who.malloc(4096), who.malloc(4096))
+
+        def sockets(who) -> int:
+            inp, out = mems[id(who)]
+            return who.run(attacks.ATTACK_CMD, inp, out, core=0).return_value
+
+        first = sockets(a)
+        assert sockets(b) == first  # a's socket was closed at the switch, b's given
+        assert sockets(a) == first
+        a.unload_ops(h)

@@ -106,7 +106,8 @@ class Evil:
     (struct.pack("<BII", 32, 0, 1) + u32(jobs.MAX_ITEMS + 1), ["Hello.ops", f"count {jobs.MAX_ITEMS + 1}"]),
     (jobs.encode(jobs.Call(job=1, plan=2)), ["a Call where only Hello/Done/Deliver"]),
     (pickle.dumps(jobs.Done(1)), ["unknown tag 128"]),
-])
+], ids=["truncated", "trailing", "unknown-tag", "empty", "long-string", "bad-utf8", "numbers-mask",
+        "presence-flag", "wrong-nested-type", "long-response", "too-many-items", "front-to-core-type", "pickle"])
 def test_bad_core_records_are_bad_record_naming_the_field(data, words):
     with pytest.raises(BadRecord) as e:
         jobs.decode(data, C2F)
