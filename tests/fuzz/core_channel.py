@@ -21,7 +21,6 @@ import os
 import pickle
 import random
 import socket
-import struct
 import subprocess
 import sys
 import tempfile

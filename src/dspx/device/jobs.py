@@ -248,7 +248,6 @@ def _uint(bits: int, code: str) -> _Int:
 U32, U64, BOOL = _uint(32, "I"), _uint(64, "Q"), _Int("?", 0, 1)
 I32, I64 = _Int("i", -(1 << 31), (1 << 31) - 1), _Int("q", -(1 << 63), (1 << 63) - 1)
 _LEN = struct.Struct("<I")
-_FLAG = struct.Struct("<B")
 
 
 def _need(buf, pos: int, n: int, what: str) -> None:
