@@ -20,6 +20,9 @@ malformed responses, hangs, crashes, core restarts, and the device's memory
 figures (POOL_STATUS; fds and RSS of the front and of each core, cold, after
 ``--warmup`` messages and at the end).  Exit status 1 if
 anything was wrong.  See docs/reliability.md.
+
+``--core-channel N`` fuzzes the other direction: a real front whose cores
+are fakes that write N mutated records (tests/fuzz/core_channel.py).
 """
 from __future__ import annotations
 
@@ -236,7 +239,15 @@ def main() -> int:
     ap.add_argument("--abuse-rounds", type=int, default=20, help="rounds of fd and memory abuse at most (0: none)")
     ap.add_argument("--abuse-every", type=float, default=0.0, help="seconds between abuse rounds' starts")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "fuzz.json"))
+    ap.add_argument("--core-channel", type=int, default=0, metavar="N",
+                    help="fuzz the core->front channel instead: a real front whose fake cores write N mutated "
+                         "records (tests/fuzz/core_channel.py); exit 1 on a hang, a crash or a front traceback")
     a = ap.parse_args()
+    if a.core_channel:
+        from tests.fuzz import core_channel
+        res = core_channel.run(a.core_channel, seed=a.seed)
+        print(json.dumps(res, indent=1))
+        return int(bool(res["hangs"] or res["front_died"] or res["tracebacks"] or not res.get("ping_after")))
 
     from dspx.host.client import Client
     from tests.conftest import SMALL, Device

@@ -18,7 +18,7 @@ from dspx.device.front.handlers import Cores, Forget, Handlers, Notify, Respond,
 from dspx.device.front.state import MAX_BUFS_PER_CONN, Conn, DeviceState, ModuleRec
 
 MiB = 1 << 20
-SIG = {"inputs": [{"name": "x", "shape": [2, 8], "dtype": "float32"}], "weights": "embedded"}
+SIG = jobs.ModuleSig(False, [jobs.TensorSig("x", (2, 8), "float32")])
 
 
 class Front:
@@ -257,7 +257,7 @@ def test_infer_against_the_signature_is_err_tensor(front, shape, dtype):
 
 
 def test_infer_of_a_separate_weights_module_without_a_model_is_err_weights(front):
-    base, h = front.attach(4096), front.module(dict(SIG, weights="separate"))
+    base, h = front.attach(4096), front.module(jobs.ModuleSig(True, SIG.inputs))
     assert status(front(infer_req(base, h, 4096, [_desc(base + 128)]))) == S.ERR_WEIGHTS
 
 
@@ -377,7 +377,7 @@ def _two_buffers_staging_and_printf(front):
 def test_an_infer_becomes_a_plan_of_exactly_its_buffers_and_fields(front):
     inb, outb, stg, ib, ob, sb = _two_buffers_staging_and_printf(front)
     kv_addr = stg + 60 * 1024
-    sig = {"inputs": [{"shape": [2, 8], "dtype": "float32"}, {"shape": [4], "dtype": "int32"}], "weights": "embedded"}
+    sig = jobs.ModuleSig(False, [jobs.TensorSig("a", (2, 8), "float32"), jobs.TensorSig("b", (4,), "int32")])
     h = front.module(sig)
     req = P.Infer(seq=77, module_handle=h, num_inputs=2, flags=3 | P.FLAG_PROFILE | P.FLAG_KV_RESIDENT,
                   input_dsp_addr=inb, input_size=4096, result_dsp_addr=outb, result_size=4096,
@@ -447,7 +447,7 @@ def _infer_error_text(front, sig, descs_of) -> tuple[int, str]:
     (SIG, lambda b: [_desc(b + 128), _desc(b + 256)], S.ERR_TENSOR, "module takes 1 inputs, 2 given"),
     (SIG, lambda b: [_desc(b + 128, (2, 8), "int32")], S.ERR_TENSOR,
      "input 0 (x): module expects float32[2, 8], got int32[2, 8]"),
-    ({"inputs": [{"shape": [2, 8], "dtype": "float32"}]}, lambda b: [_desc(b + 128, (8, 2))], S.ERR_TENSOR,
+    (jobs.ModuleSig(False, [jobs.TensorSig("", (2, 8), "float32")]), lambda b: [_desc(b + 128, (8, 2))], S.ERR_TENSOR,
      "input 0 (0): module expects float32[2, 8], got float32[8, 2]"),  # an input with no name: its index
     (SIG, lambda b: [_desc(b + 4096)], S.ERR_ADDR, "input 0 data 0x{:x}+64 is outside the input range and the KV region"),
 ], ids=["count", "dtype", "unnamed", "outside"])

@@ -389,7 +389,7 @@ def test_infer_with_a_model_id_not_of_this_connection_is_err_handle(front, owner
 
 
 def test_infer_with_its_own_model_id_is_a_job(front):
-    base, h = front.attach(4096), front.module(dict(SIG, weights="separate"))
+    base, h = front.attach(4096), front.module(jobs.ModuleSig(True, SIG.inputs))
     mid = front.st.new_id()
     front.st.models[mid] = ModelRec(mid, front.conn.cid, 0, 1, 100, 1)
     req = infer_req(base, h, 4096, [_desc(base + 128)])
@@ -907,7 +907,7 @@ REFUSALS = [  # (request builder, status, words the GET_ERROR text must hold)
     (lambda f, b: P.Infer(module_handle=f.module(), model_id=99, num_inputs=1, input_dsp_addr=b, input_size=4096,
                           result_dsp_addr=b, result_size=4096, descs=[_desc(b + 128)]), S.ERR_HANDLE,
      "unknown model id 99"),
-    (lambda f, b: infer_req(b, f.module(dict(SIG, weights="separate")), 4096, [_desc(b + 128)]), S.ERR_WEIGHTS,
+    (lambda f, b: infer_req(b, f.module(jobs.ModuleSig(True, SIG.inputs)), 4096, [_desc(b + 128)]), S.ERR_WEIGHTS,
      "module was compiled with separate weights: load them with MODEL_LOAD and pass the model id"),
     (lambda f, b: infer_req(b + 8192, f.module(), 64, [_desc(b + 8192)]), S.ERR_ADDR, "input range 0x"),
     (lambda f, b: infer_req(b, f.module(), 4096, [_desc(b + 128)], out=(b + 8192, 64)), S.ERR_ADDR,

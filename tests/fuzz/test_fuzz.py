@@ -69,3 +69,16 @@ def test_fuzz_short_run_zero_crashes_hangs_or_leaks(compiled):
         observer.close()
     finally:
         dev.stop()
+
+
+def test_core_channel_fuzz_the_front_restarts_the_core_for_every_bad_record():
+    """Fake cores write mutated records to a real front (tests/fuzz/core_channel.py)."""
+    from tests.fuzz import core_channel
+
+    res = core_channel.run(40, seed=3)
+    assert (res["hangs"], res["front_died"], res["tracebacks"]) == (0, False, 0), res
+    assert res["ping_after"] and res["sent"] == 40, res
+    # every call got its one answer: an ERR_CALL (the core restarted, or its own
+    # failure), or damaged bytes its own core delivered to it
+    assert res["answered"] + res.get("garbage_to_own_client", 0) == 40, res
+    assert res["invalid_records"] >= 20, res  # most mutations are invalid, and each one restarted a core

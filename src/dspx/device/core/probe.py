@@ -35,7 +35,7 @@ class Outcome:
         return signal.Signals(self.signal).name if self.signal else ""
 
 
-def in_child(fn: Callable[[], object], timeout_s: int) -> Outcome:
+def in_child(fn: Callable[[], object], timeout_s: int, keep: tuple[int, ...] = ()) -> Outcome:
     r, w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:  # the child: never returns, never talks to the front
@@ -52,6 +52,15 @@ def in_child(fn: Callable[[], object], timeout_s: int) -> Outcome:
             ctypes.CDLL(None).__cxa_atexit(hook, None, None)
         except (OSError, AttributeError):
             pass
+        # The core's channel to the front, its status page, client sockets
+        # and buffers: nothing the loaded code may reach.  Only stdio (for a
+        # crash's message), the pipe that says "returned" and ``keep`` (the
+        # code being loaded) stay open.
+        first = 3
+        for fd in sorted({w, *keep}):
+            os.closerange(first, fd)
+            first = fd + 1
+        os.closerange(first, os.sysconf("SC_OPEN_MAX"))
         # A watchdog no Python code can block: SIGALRM's default action ends
         # the child even when it is stuck in native code.
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
@@ -220,7 +229,7 @@ def _serve(s: socket.socket, confine: Callable[[], None]) -> None:
             if kind == MODULE:
                 out = in_child(module_probe(payload, None if ddr_free < 0 else ddr_free), timeout_s)
             elif kind == LIBRARY and fds:
-                out = in_child(native.library_probe(f"/proc/self/fd/{fds[0]}"), timeout_s)
+                out = in_child(native.library_probe(f"/proc/self/fd/{fds[0]}"), timeout_s, keep=(fds[0],))
             else:
                 out = Outcome(exit_code=2)
         except Exception:  # noqa: BLE001 - set-up failed before the fork: not a probe that returned
@@ -246,4 +255,4 @@ def run_library(fd: int, timeout_s: int) -> Outcome:
     if zygote is not None:
         return zygote.library(fd, timeout_s)
     from . import native
-    return in_child(native.library_probe(f"/proc/self/fd/{fd}"), timeout_s)
+    return in_child(native.library_probe(f"/proc/self/fd/{fd}"), timeout_s, keep=(fd,))

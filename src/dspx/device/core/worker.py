@@ -133,12 +133,16 @@ class CoreWorker:
             os.close(fd)
 
     def drop_buffers(self) -> None:
-        """Unmap every buffer and drop every plan (they hold views of them):
-        the next job is another connection's, and its code must find no page
-        of this one's memory.  A mapping whose view escaped (user code kept
+        """Close every client socket, unmap every buffer and drop every plan
+        (they hold views of them): the next job is another connection's, and
+        its code must find no page of this one's memory and no socket to
+        answer anyone but its own client on.  A mapping whose view escaped (user code kept
         one) cannot be closed; its pages are replaced by an inaccessible
         anonymous mapping instead, so nothing can read them (a stale view
         faults its core)."""
+        for s in self.clients.values():
+            s.close()
+        self.clients.clear()
         self.plans.clear()
         kept = []
         for mm in self.bufs.values():
@@ -226,11 +230,13 @@ class CoreWorker:
         mod = loader.load_module(elf, self.kernel_names(), ddr_free=rec.ddr_free)
         self.modules[rec.handle] = mod
         self._warm_up(mod)
-        io = mod.io_meta
+        io, sig = mod.io_meta, mod.signature
         return jobs.Loaded(mod.text_size, mod.data_size, mod.workspace_bytes,
                            None if io is None else (io.num_inputs, io.num_outputs, io.input_bytes,
                                                     io.output_bytes, io.flags),
-                           None if mod.signature is None else mod.signature.to_json())
+                           None if sig is None else jobs.ModuleSig(
+                               sig.weights == "separate",
+                               [jobs.TensorSig(t.name, tuple(t.shape), t.dtype) for t in sig.inputs]))
 
     @staticmethod
     def _warm_up(mod) -> None:
@@ -320,9 +326,7 @@ class CoreWorker:
                     status = res.status
                     error = res.printf.strip().splitlines()[-1] if res.printf.strip() else ""
         except BaseException as e:  # KeyboardInterrupt, SystemExit …: a status for this caller, not the core's end
-            status = getattr(e, "status", Status.ERR_GENERIC)
-            if not isinstance(status, int):
-                status = Status.ERR_GENERIC
+            status = _status_of(e)
             if isinstance(e, SystemExit):
                 status, e = Status.ERR_CALL, RuntimeError(f"call raised SystemExit({e.code!r}); the core keeps running")
             error = f"{type(e).__name__}: {e}" if status == Status.ERR_GENERIC else str(e)
@@ -409,14 +413,14 @@ class CoreWorker:
         while True:
             self._running_job = None
             try:
-                rec, fds = jobs.recv(self.ep)
+                rec, fds = jobs.recv(self.ep, jobs.FRONT_TO_CORE)
             except PeerClosed:
                 return
             try:
                 self._take_fds(rec, fds)
             except Exception as e:  # noqa: BLE001 - the job fails, the core keeps serving
                 if rec.job:
-                    jobs.send(self.ep, jobs.Done(rec.job, int(Status.ERR_GENERIC), f"{type(e).__name__}: {e}"))
+                    self.reply(jobs.Done(rec.job, int(Status.ERR_GENERIC), clip(f"{type(e).__name__}: {e}")))
                 continue
             if isinstance(rec, jobs.Call):
                 self._running_job = rec.job
@@ -436,9 +440,7 @@ class CoreWorker:
                     self._running_job = None
             except BaseException as e:  # every failure becomes a status, the core keeps serving
                 # (SystemExit and KeyboardInterrupt too: an op library's code may raise them)
-                status = getattr(e, "status", Status.ERR_GENERIC)
-                if not isinstance(status, int):
-                    status = Status.ERR_GENERIC
+                status = _status_of(e)
                 if isinstance(e, SystemExit):  # user code tried to end the core
                     status = Status.ERR_LOAD if isinstance(rec, (jobs.LoadModule, jobs.LoadOps)) else Status.ERR_CALL
                     e = RuntimeError(f"{type(rec).__name__} code raised SystemExit({e.code!r}); the core keeps running")
@@ -456,9 +458,19 @@ class CoreWorker:
         """Send a Done; one too large for the channel becomes a failure that fits."""
         try:
             jobs.send(self.ep, done)
-        except jobs.RecordTooLarge as e:
-            jobs.send(self.ep, jobs.Done(done.job, int(Status.ERR_GENERIC), f"the result could not be reported: {e}",
-                                         done.seq))
+        except jobs.BadRecord as e:  # too large, or a figure out of range
+            jobs.send(self.ep, jobs.Done(done.job, int(Status.ERR_GENERIC),
+                                         clip(f"the result could not be reported: {e}"), done.seq))
+
+
+_STATUSES = frozenset(int(s) for s in Status)
+
+
+def _status_of(e: BaseException) -> int:
+    """The status an exception carries, if it is one the protocol has (user
+    code may raise anything with a ``status``); else ERR_GENERIC."""
+    status = getattr(e, "status", Status.ERR_GENERIC)
+    return status if isinstance(status, int) and status in _STATUSES else Status.ERR_GENERIC
 
 
 def _read_paths() -> list[str]:

@@ -24,6 +24,11 @@ from .. import jobs
 OWNED_JOBS = (jobs.Call, jobs.LoadModule, jobs.UnloadModule, jobs.LoadWeights, jobs.LoadOps)
 
 
+# Ids of the last jobs sent to a core that a Done may still name (a call that
+# ended through the status page may send its Done after the next job started).
+MAX_SENT = 4096
+
+
 # TVM's pool workers sched_yield-spin 300,000 times (some 0.2-0.5 s here)
 # after each parallel region before they sleep: on 2 vCPUs that took half
 # the CPU from the next call of another core or device (a 37-token LLM
@@ -52,7 +57,9 @@ class CoreProc:
 
     def _reset(self) -> None:
         self.known_bufs: set[int] = set()
-        self.known_conns: set[int] = set()
+        self.known_conns: set[int] = set()  # connections whose socket it holds (its owner's, at most)
+        self.prev_conns: set[int] = set()  # the sockets it dropped at its last owner switch
+        self.sent: dict[int, None] = {}  # ids of the last MAX_SENT jobs sent to it (in order)
         self.plans: dict[int, int] = {}  # plan ids it holds -> their connection
         # whose buffers it maps now (a cid, or None: the device's own copies);
         # a job of another owner makes it drop them all first (jobs.Job.drop_bufs)
@@ -91,7 +98,7 @@ class CoreProc:
         if not isinstance(job.rec, OWNED_JOBS):
             return
         owner = job.conn.cid if job.conn is not None else None
-        if owner != self.bufs_owner and (self.known_bufs or self.plans):
+        if owner != self.bufs_owner and (self.known_bufs or self.plans or self.known_conns):
             self._drop_bufs(job.rec)
         self.bufs_owner = owner
 
@@ -103,10 +110,18 @@ class CoreProc:
             self.bufs_owner = None
 
     def _drop_bufs(self, rec) -> None:
-        """``rec`` tells the core to unmap every buffer and drop every plan; the front forgets them too."""
+        """``rec`` tells the core to unmap every buffer, drop every plan and
+        close every client socket; the front forgets them too."""
         rec.drop_bufs = True
         self.known_bufs.clear()
         self.plans.clear()
+        if self.known_conns:
+            self.prev_conns, self.known_conns = self.known_conns, set()
+
+    def note_sent(self, job: int) -> None:
+        self.sent[job] = None
+        if len(self.sent) > MAX_SENT:
+            del self.sent[next(iter(self.sent))]
 
     def finished(self) -> bool:
         """Whether the running Call has ended with SUCCESS (the status page says so)."""

@@ -443,7 +443,7 @@ class Handlers:
             m = self.st.models.get(req.model_id)
             if m is None or m.cid != conn.cid:
                 raise Reject(S.ERR_HANDLE, f"unknown model id {req.model_id}")
-        elif (rec.signature or {}).get("weights") == "separate":
+        elif rec.signature is not None and rec.signature.separate_weights:
             raise Reject(S.ERR_WEIGHTS, "module was compiled with separate weights: load them with "
                                         "MODEL_LOAD and pass the model id")
         in_buf, in_off = conn.resolve(req.input_dsp_addr, req.input_size, "input range")
@@ -452,7 +452,7 @@ class Handlers:
         kv = conn.kv_region()
         if kv_resident and kv is None:
             raise Reject(S.ERR_INVALID, "KV_RESIDENT needs a staging buffer with a KV region")
-        sig_inputs = (rec.signature or {}).get("inputs")
+        sig_inputs = rec.signature.inputs if rec.signature is not None else None
         if sig_inputs is not None and len(sig_inputs) != len(descs):
             raise Reject(S.ERR_TENSOR, f"module takes {len(sig_inputs)} inputs, {len(descs)} given")
         inputs = []
@@ -470,9 +470,9 @@ class Handlers:
                                          f"range and the KV region")
             if sig_inputs is not None:
                 want = sig_inputs[i]
-                if list(want["shape"]) != list(d.shape) or want["dtype"] != d.dtype:
-                    raise Reject(S.ERR_TENSOR, f"input {i} ({want.get('name', i)}): module expects "
-                                               f"{want['dtype']}{list(want['shape'])}, got {d.dtype}{list(d.shape)}")
+                if list(want.shape) != list(d.shape) or want.dtype != d.dtype:
+                    raise Reject(S.ERR_TENSOR, f"input {i} ({want.name or i}): module expects "
+                                               f"{want.dtype}{list(want.shape)}, got {d.dtype}{list(d.shape)}")
             used.append(b)
             inputs.append((b.buf_id, off, tuple(d.shape), d.dtype))
         printf = self._printf_target(conn, used)

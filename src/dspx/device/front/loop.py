@@ -47,6 +47,7 @@ ABORT_GRACE_S = 0.3
 # text says which limit) for this long, then closed; at most this many wait.
 REFUSED_LINGER_S = 2.0
 MAX_REFUSED = 16
+_STATUSES = frozenset(int(s) for s in S)
 PLANNED = frozenset((P.MsgType.INFER, P.MsgType.INFER_LARGE, P.MsgType.RPC))
 _EPOLLIN, _EPOLLOUT = int(select.EPOLLIN), int(select.EPOLLOUT)
 
@@ -79,7 +80,6 @@ class Service:
         self.pending: list = []  # heap of (-priority, order, FrontJob)
         self._order = itertools.count()
         self._job_ids = itertools.count(1)
-        self._inflight: dict[int, FrontJob] = {}
         self.parent_pid = parent_pid
         self.epoll = select.epoll()
         self._watch: dict[int, tuple] = {}  # fd -> (callback, arg)
@@ -220,19 +220,23 @@ class Service:
             # At start-up, block until the core says hello so the device never
             # answers a job before a core exists.  A restart does not block the
             # loop: the hello arrives through _on_core, jobs queue meanwhile.
-            rec, _ = jobs.recv(c.ep, timeout=60)
+            rec, _ = jobs.recv(c.ep, jobs.CORE_TO_FRONT, timeout=60)
             self._core_hello(c, rec)
 
     def _core_hello(self, c: CoreProc, rec) -> None:
+        """A core's first record: a Hello from that very process (BadRecord if not)."""
         if not isinstance(rec, jobs.Hello):
-            raise RuntimeError(f"core {c.index} did not start: {rec!r}")
+            raise jobs.BadRecord(f"a {type(rec).__name__} before its Hello")
+        if rec.core != c.index or rec.pid != c.proc.pid:
+            raise jobs.BadRecord(f"Hello of core {rec.core}, pid {rec.pid}; this is core {c.index}, pid {c.proc.pid}")
         c.ready = True
         c.start_failures = 0
         for cmd, name, lat in rec.ops:  # the firmware's built-in operators
             self.st.op_table.setdefault(cmd, (name, lat, 0))
         self._apply(None, self.handlers.replay_ops(c.index))
 
-    def _core_died(self, c: CoreProc) -> None:
+    def _core_died(self, c: CoreProc, invalid: str = "") -> None:
+        """Restart a core that ended (``invalid``: the front killed it for that record)."""
         if self.stopping:  # shutting down (Ctrl-C reaches the whole process group): no restart, no news
             return
         code = c.proc.poll() if c.proc else None
@@ -246,6 +250,9 @@ class Service:
             if timed_out:
                 self._fail(job, S.ERR_TIMEOUT, f"job ran past its time limit and did not stop; core {c.index} "
                                                f"was restarted")
+            elif invalid:
+                self._fail(job, S.ERR_CALL, f"core {c.index} sent an invalid record while running this job "
+                                            f"({invalid}); it was restarted")
             else:
                 self._fail(job, S.ERR_CALL, f"core {c.index} crashed while running this job (exit status "
                                             f"{code}); it was restarted")
@@ -311,13 +318,19 @@ class Service:
             self._drain_core(c)
 
     def _drain_core(self, c: CoreProc) -> None:
-        """Take every record the core has sent."""
+        """Take every record the core has sent.  A core runs client code, so
+        each record is checked like a client's message: one that does not
+        decode, or names a job or a connection that is not this core's,
+        restarts the core (its running job fails with ERR_CALL)."""
         while c.ep is not None:
             try:
-                rec, fds = jobs.recv(c.ep)
+                rec, fds = jobs.recv(c.ep, jobs.CORE_TO_FRONT)
             except Timeout:
                 return
-            except (PeerClosed, OSError, ValueError, EOFError):
+            except jobs.BadRecord as e:
+                self._invalid_record(c, str(e))
+                return
+            except (PeerClosed, OSError, EOFError):
                 if c.proc:
                     try:
                         c.proc.wait(2)
@@ -328,31 +341,69 @@ class Service:
                 return
             for fd in fds:
                 os.close(fd)
-            if not c.ready:  # a restarted core's hello
-                try:
+            try:
+                if fds:
+                    raise jobs.BadRecord(f"{type(rec).__name__} came with {len(fds)} file descriptors")
+                if not c.ready:  # a restarted core's hello
                     self._core_hello(c, rec)
-                except (RuntimeError, OSError) as e:
-                    self.log(f"core {c.index} failed to restart: {e}")
-                    c.proc.kill()
-                    return
-                self._schedule()
-                continue
-            if isinstance(rec, jobs.Deliver):
-                conn = self.st.conns.get(rec.cid)
-                if conn is not None:
-                    self._send(conn, rec.data)
-                continue
-            job = self._inflight.pop(rec.job, None)
-            if job is None:
-                continue
-            if c.running is job:
-                c.running = None
-                c.abort_job = None
-                c.timed_out = False
-            if rec.response is not None and job.conn is not None:  # the core could not answer it itself
-                self._send(job.conn, rec.response)
-            self._finish(job, rec)
-            self._schedule()
+                    self._schedule()
+                elif isinstance(rec, jobs.Deliver):
+                    self._core_deliver(c, rec)
+                elif isinstance(rec, jobs.Done):
+                    self._core_done(c, rec)
+                else:
+                    raise jobs.BadRecord(f"a second {type(rec).__name__}")
+            except jobs.BadRecord as e:
+                self._invalid_record(c, str(e))
+                return
+
+    def _invalid_record(self, c: CoreProc, why: str) -> None:
+        self.log(f"core {c.index} sent an invalid record: {why}; restarting it")
+        if c.proc:
+            try:
+                c.proc.kill()
+                c.proc.wait(5)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        self._core_died(c, invalid=why)
+
+    def _core_deliver(self, c: CoreProc, rec: jobs.Deliver) -> None:
+        """A response the core could not send: only to the client whose socket it holds."""
+        if rec.cid in c.known_conns:
+            conn = self.st.conns.get(rec.cid)
+            if conn is not None:
+                self._send(conn, rec.data)
+        elif rec.cid in c.prev_conns:
+            # Its last owner's, sent just before it took the next owner's job
+            # (or by that job's code: the two cannot be told apart): dropped.
+            self.log(f"core {c.index}: dropped a late response for connection {rec.cid}, a previous owner")
+        else:
+            raise jobs.BadRecord(f"Deliver to connection {rec.cid}, which core {c.index} does not serve")
+
+    # What a Done's value must be for each kind of job that succeeded (others: None).
+    DONE_VALUES = {jobs.LoadModule: jobs.Loaded, jobs.LoadWeights: jobs.WeightsLoaded, jobs.LoadOps: jobs.OpsLoaded}
+
+    def _core_done(self, c: CoreProc, rec: jobs.Done) -> None:
+        if rec.job not in c.sent:
+            raise jobs.BadRecord(f"Done for job {rec.job}, which was never sent to core {c.index}")
+        if rec.status not in _STATUSES:
+            raise jobs.BadRecord(f"Done for job {rec.job} with unknown status {rec.status}")
+        job = c.running
+        if job is None or job.rec.job != rec.job:
+            return  # a call that ended through the status page already
+        want = self.DONE_VALUES.get(type(job.rec)) if rec.status == S.SUCCESS else None
+        if type(rec.value) is not (want or type(None)):
+            raise jobs.BadRecord(f"Done for job {rec.job} ({type(job.rec).__name__}, status {rec.status}) carries "
+                                 f"{type(rec.value).__name__}, not {want.__name__ if want else 'nothing'}")
+        if rec.response is not None and not isinstance(job.rec, jobs.Call):
+            raise jobs.BadRecord(f"Done for job {rec.job} ({type(job.rec).__name__}) carries a client response")
+        c.running = None
+        c.abort_job = None
+        c.timed_out = False
+        if rec.response is not None and job.conn is not None:  # the core could not answer it itself
+            self._send(job.conn, rec.response)
+        self._finish(job, rec)
+        self._schedule()
 
     def _drain_for(self, conn: Conn) -> None:
         """Before a connection's next request: take what its cores reported,
@@ -472,14 +523,13 @@ class Service:
         if job.run_limit_s:
             job.deadline = time.monotonic() + job.run_limit_s
         c.want_done(bool(self.pending))
-        self._inflight[rec.job] = job
+        c.note_sent(rec.job)
         if not c.send(rec, fds):
             self._core_died(c)
         elif c.outq:
             self._modify(c.ep.fileno(), _EPOLLIN | _EPOLLOUT)
 
     def _finish(self, job: FrontJob, res: jobs.Done) -> None:
-        self._inflight.pop(job.rec.job, None)
         for b in job.bufs:
             b.busy -= 1
         conn = job.conn

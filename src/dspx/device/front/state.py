@@ -128,7 +128,7 @@ class ModuleRec:
     generation: int
     kind: str  # "module" | "oplib"
     ddr_bytes: int = 0
-    signature: dict | None = None
+    signature: object = None  # jobs.ModuleSig | None
     image: "Buffer | None" = None  # the front's copy of its bytes, to load it again after a core restart
 
 
