@@ -116,6 +116,13 @@ def test_a_pickle_payload_written_to_the_channel_never_runs_in_the_front(dev, tm
     # The probe has no channel (its fds are closed); the handler, and the init
     # and constructor when the core loads the code for real, write to it: the
     # front restarts that core and the call or load fails.
+    if place == "ctor" and got.status == "ERR_LOAD":
+        # In DYN_LOAD's probe the channel's fd number can be the probe's own
+        # result pipe (the probe child closed the core's fds, and the zygote
+        # that forked it reuses low numbers): the payload lands there, the
+        # probe's answer is not "returned", and the load is refused first.
+        assert "ended the loading process" in got.error, got
+        return
     assert got.status == "ERR_CALL", got
     assert "sent an invalid record" in got.error and "unknown tag 128" in got.error, got
     assert "sent an invalid record: unknown tag 128" in dev.output()
