@@ -17,6 +17,7 @@ import pytest
 import attacks
 from conftest import SMALL, Device
 from dspx.device import jobs
+from dspx.transport import Timeout
 from dspx.host.client import Client
 from dspx.host.tasks import SOFTMAX_CMD, Tasks, softmax_param
 
@@ -202,3 +203,69 @@ def test_a_core_holds_only_its_current_owner_s_client_socket(dev, tmp_path):
         assert sockets(b) == first  # a's socket was closed at the switch, b's given
         assert sockets(a) == first
         a.unload_ops(h)
+
+
+# ---------------------------------------------------------------- owner switches, in-process
+
+class _FakeConn:
+    def __init__(self, cid):
+        self.cid = cid
+
+
+def _front_with_switches(tmp_path, monkeypatch):
+    """A front (not started) whose core 0 served connection 1, then connection 2
+    (an owner switch: 1's socket dropped), with what it forwards recorded."""
+    from dspx.device.front.loop import Service
+    svc = Service(str(tmp_path / "dsp0.sock"), cores=1, threads=1)
+    sent = []
+    monkeypatch.setattr(svc, "_send", lambda conn, data: sent.append((conn.cid, data)))
+    for cid in (1, 2):
+        svc.st.conns[cid] = _FakeConn(cid)
+    c = svc.cores[0]
+    c.known_conns = {1}
+    c._drop_bufs(jobs.Call(job=5))  # the switch to connection 2's job
+    c.known_conns = {2}
+    return svc, c, sent
+
+
+def test_a_late_answer_for_the_previous_owner_is_forwarded_until_the_core_acknowledges_the_switch(
+        tmp_path, monkeypatch):
+    """A core that could not send owner 1's answer (socket full) sends it as a
+    Deliver before it reads the next owner's job; the front, which may have
+    switched already, forwards it.  After the core's Switched (sent before
+    the new owner's code runs), a Deliver to 1 can only be that code's forgery."""
+    svc, c, sent = _front_with_switches(tmp_path, monkeypatch)
+    svc._core_deliver(c, jobs.Deliver(1, b"late"))
+    assert sent == [(1, b"late")]
+    svc._core_switched(c, jobs.Switched(1))
+    with pytest.raises(jobs.BadRecord, match="Deliver to connection 1, which core 0 does not serve"):
+        svc._core_deliver(c, jobs.Deliver(1, b"forged"))
+    svc._core_deliver(c, jobs.Deliver(2, b"own"))
+    assert sent == [(1, b"late"), (2, b"own")]
+
+
+def test_a_switch_acknowledgement_out_of_turn_is_a_bad_record(tmp_path, monkeypatch):
+    svc, c, _ = _front_with_switches(tmp_path, monkeypatch)
+    with pytest.raises(jobs.BadRecord, match="Switched #2, but core 0 was sent 1 owner switches"):
+        svc._core_switched(c, jobs.Switched(2))
+    svc._core_switched(c, jobs.Switched(1))
+    with pytest.raises(jobs.BadRecord, match="acknowledged 1"):
+        svc._core_switched(c, jobs.Switched(1))
+
+
+def test_the_core_acknowledges_an_owner_switch_before_anything_else():
+    from dspx.device.core.worker import CoreWorker
+    front, core = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        w = CoreWorker(jobs.endpoint(core), 0, 1)
+        w._take_fds(jobs.Forget(job=0, drop_bufs=True), [])
+        w._take_fds(jobs.Forget(job=0), [])
+        w._take_fds(jobs.Forget(job=0, drop_bufs=True), [])
+        ep = jobs.endpoint(front)
+        got = [jobs.recv(ep, jobs.CORE_TO_FRONT, timeout=5)[0] for _ in range(2)]
+        assert got == [jobs.Switched(1), jobs.Switched(2)]
+        with pytest.raises(Timeout):
+            jobs.recv(ep, jobs.CORE_TO_FRONT, timeout=0.2)  # nothing else was sent
+    finally:
+        front.close()
+        core.close()

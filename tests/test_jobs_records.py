@@ -50,6 +50,7 @@ def test_hello_deliver_and_a_loaded_signature_by_hand():
     assert jobs.encode(jobs.Hello(1, 1234, [(0x10, "add", 5)])) == hello
     deliver = struct.pack("<BQ", 39, 3) + text(b"hi")
     assert jobs.decode(deliver, C2F) == jobs.Deliver(3, b"hi")
+    assert jobs.encode(jobs.Switched(7)) == struct.pack("<BQ", 40, 7)
     sig = jobs.ModuleSig(True, [jobs.TensorSig("x", (2, 8), "float32")])
     loaded = (struct.pack("<BQQQ", 35, 100, 20, 0)
               + b"\x01" + struct.pack("<IIQQI", 1, 1, 64, 32, 1)  # io_meta
@@ -104,7 +105,7 @@ class Evil:
      ["Done.value", "a Hello where only Loaded/WeightsLoaded/OpsLoaded"]),
     (DONE_HEAD + text(b"") + b"\0\0\x01" + u32(jobs.MAX_RESPONSE + 1), ["Done.response", "513"]),
     (struct.pack("<BII", 32, 0, 1) + u32(jobs.MAX_ITEMS + 1), ["Hello.ops", f"count {jobs.MAX_ITEMS + 1}"]),
-    (jobs.encode(jobs.Call(job=1, plan=2)), ["a Call where only Hello/Done/Deliver"]),
+    (jobs.encode(jobs.Call(job=1, plan=2)), ["a Call where only Hello/Done/Deliver/Switched"]),
     (pickle.dumps(jobs.Done(1)), ["unknown tag 128"]),
 ], ids=["truncated", "trailing", "unknown-tag", "empty", "long-string", "bad-utf8", "numbers-mask",
         "presence-flag", "wrong-nested-type", "long-response", "too-many-items", "front-to-core-type", "pickle"])

@@ -203,6 +203,15 @@ class Deliver:
     data: bytes
 
 
+@dataclass(slots=True)
+class Switched:
+    """The core took its ``count``-th owner switch (a job with ``drop_bufs``),
+    before any code of the new owner runs.  A Deliver for a connection the
+    switch dropped is that connection's own late answer until this arrives,
+    and a forgery after it (front/loop.py _core_deliver)."""
+    count: int
+
+
 # A core's status page, shared with the front (a memfd both map): the id of
 # the last Call the core finished with SUCCESS, and a flag the front raises
 # when it wants a Done datagram for it (it has work queued behind the call).
@@ -533,11 +542,12 @@ _TABLE = {
                 ("numbers", _Numbers(NUMBERS)), ("value", _Opt(_Rec(Loaded, WeightsLoaded, OpsLoaded))),
                 ("response", _Opt(_bytes(MAX_RESPONSE))))),
     39: (Deliver, (("cid", U64), ("data", _bytes(MAX_RESPONSE)))),
+    40: (Switched, (("count", U64),)),
 }
 
 # What each end accepts at the top level of a datagram.
 FRONT_TO_CORE = (LoadModule, UnloadModule, LoadWeights, UnloadWeights, Call, LoadOps, UnloadOps, Forget)
-CORE_TO_FRONT = (Hello, Done, Deliver)
+CORE_TO_FRONT = (Hello, Done, Deliver, Switched)
 
 
 class _Schema:

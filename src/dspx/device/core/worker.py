@@ -49,6 +49,7 @@ class CoreWorker:
         self.ep = ep
         self.status = status if status is not None else mmap.mmap(-1, jobs.STATUS_SIZE)
         self.index = index
+        self.switches = 0  # owner switches taken (jobs.Switched)
         self.threads = threads
         self.bufs: dict[int, mmap.mmap] = {}
         self.clients: dict[int, socket.socket] = {}  # cid -> the client's socket, for direct answers
@@ -111,6 +112,8 @@ class CoreWorker:
     # ---------------------------------------------------------------- buffers and clients
     def _take_fds(self, rec: jobs.Job, fds: list[int]) -> None:
         if rec.drop_bufs:
+            self.switches += 1  # before the new owner's code runs: the front now knows late answers from forged ones
+            jobs.send(self.ep, jobs.Switched(self.switches))
             self.drop_buffers()
         if isinstance(rec, jobs.Call) and rec.new_conn:
             if not fds:

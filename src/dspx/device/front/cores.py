@@ -58,7 +58,10 @@ class CoreProc:
     def _reset(self) -> None:
         self.known_bufs: set[int] = set()
         self.known_conns: set[int] = set()  # connections whose socket it holds (its owner's, at most)
-        self.prev_conns: set[int] = set()  # the sockets it dropped at its last owner switch
+        # Owner switches sent to it, and the last one it acknowledged (jobs.Switched);
+        # the connections a switch dropped -> that switch's number, until acknowledged.
+        self.switches = self.switches_acked = 0
+        self.dropped_conns: dict[int, int] = {}
         self.sent: dict[int, None] = {}  # ids of the last MAX_SENT jobs sent to it (in order)
         self.plans: dict[int, int] = {}  # plan ids it holds -> their connection
         # whose buffers it maps now (a cid, or None: the device's own copies);
@@ -115,8 +118,10 @@ class CoreProc:
         rec.drop_bufs = True
         self.known_bufs.clear()
         self.plans.clear()
-        if self.known_conns:
-            self.prev_conns, self.known_conns = self.known_conns, set()
+        self.switches += 1
+        for cid in self.known_conns:
+            self.dropped_conns[cid] = self.switches
+        self.known_conns = set()
 
     def note_sent(self, job: int) -> None:
         self.sent[job] = None

@@ -351,6 +351,8 @@ class Service:
                     self._core_deliver(c, rec)
                 elif isinstance(rec, jobs.Done):
                     self._core_done(c, rec)
+                elif isinstance(rec, jobs.Switched):
+                    self._core_switched(c, rec)
                 else:
                     raise jobs.BadRecord(f"a second {type(rec).__name__}")
             except jobs.BadRecord as e:
@@ -373,12 +375,19 @@ class Service:
             conn = self.st.conns.get(rec.cid)
             if conn is not None:
                 self._send(conn, rec.data)
-        elif rec.cid in c.prev_conns:
-            # Its last owner's, sent just before it took the next owner's job
-            # (or by that job's code: the two cannot be told apart): dropped.
-            self.log(f"core {c.index}: dropped a late response for connection {rec.cid}, a previous owner")
+        elif rec.cid in c.dropped_conns:  # sent before the core took the switch that dropped its socket
+            conn = self.st.conns.get(rec.cid)
+            if conn is not None:
+                self._send(conn, rec.data)
         else:
             raise jobs.BadRecord(f"Deliver to connection {rec.cid}, which core {c.index} does not serve")
+
+    def _core_switched(self, c: CoreProc, rec: jobs.Switched) -> None:
+        if rec.count != c.switches_acked + 1 or rec.count > c.switches:
+            raise jobs.BadRecord(f"Switched #{rec.count}, but core {c.index} was sent {c.switches} owner switches "
+                                 f"and acknowledged {c.switches_acked}")
+        c.switches_acked = rec.count
+        c.dropped_conns = {cid: n for cid, n in c.dropped_conns.items() if n > rec.count}
 
     # What a Done's value must be for each kind of job that succeeded (others: None).
     DONE_VALUES = {jobs.LoadModule: jobs.Loaded, jobs.LoadWeights: jobs.WeightsLoaded, jobs.LoadOps: jobs.OpsLoaded}
