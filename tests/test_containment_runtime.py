@@ -43,7 +43,7 @@ def dev():
     d.stop()
 
 
-def _shim_structs() -> str:
+def _shim_structs(place_has_sdk: bool = True) -> str:
     """The shim's own struct definitions (and the sizes they use), so the
     attacker's offsets are the real ones whatever the layout becomes."""
     text = SHIM.read_text()
@@ -53,7 +53,9 @@ def _shim_structs() -> str:
     # glibc x86-64's sizes: the body sits inside a function, where <pthread.h> cannot go
     pthread = ("typedef unsigned long pthread_t; typedef union { char b[40]; long a; } pthread_mutex_t; "
                "typedef union { char b[48]; long long a; } pthread_cond_t;")
-    return "\n".join([pthread] + defines + structs)
+    channels = "" if place_has_sdk else re.search(r"^#define DSPX_DMA_CHANNELS .*$",
+                                                  (SHIM.parents[1] / "include/dspx/dsp.h").read_text(), re.M)[0]
+    return "\n".join([pthread, channels] + defines + structs)
 
 
 # Find the context as an attacker would: scan every private writable mapping
@@ -362,3 +364,58 @@ def test_a_python_op_cannot_end_the_dma_engine_for_the_next_client(dev, mode):
         finally:
             attacker.unload_ops(ha)
             bystander.unload_ops(hb)
+
+
+# From a library's init or a module's constructor there is no task: find the
+# context by its L2 pointer and size, checked against its DMA threads' ids.
+FIND_BY_L2 = _shim_structs(place_has_sdk=False) + r"""
+static char maps[1 << 20];
+long fd = sc(2, (long)"/proc/self/maps", 0, 0, 0, 0, 0), n = 0, r;
+if (fd < 0) return -98;
+while (n < (long)sizeof maps - 1 && (r = sc(0, fd, (long)maps + n, (long)sizeof maps - 1 - n, 0, 0, 0)) > 0) n += r;
+sc(3, fd, 0, 0, 0, 0, 0);
+maps[n] = 0;
+int hits = 0;
+for (char *p = maps; *p;) {
+    uint64_t lo = 0, hi = 0;
+    for (; (*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f'); p++) lo = lo * 16 + (uint64_t)(*p <= '9' ? *p - '0' : *p - 'a' + 10);
+    p++;
+    for (; (*p >= '0' && *p <= '9') || (*p >= 'a' && *p <= 'f'); p++) hi = hi * 16 + (uint64_t)(*p <= '9' ? *p - '0' : *p - 'a' + 10);
+    if (p[1] == 'r' && p[2] == 'w' && p[4] == 'p')
+        for (uint64_t *w = (uint64_t *)lo; (uint64_t)(w + 2) <= hi; w++) {
+            struct dspx_ctx *c = (struct dspx_ctx *)((char *)w - __builtin_offsetof(struct dspx_ctx, l2));
+            if (w[1] != ATTACK_ARG || !w[0] || (w[0] & 4095) || (uint64_t)c < lo || (uint64_t)(c + 1) > hi)
+                continue;
+            if (c->ch[0].tid <= 0 || c->ch[1].tid <= 0 || c->ch[0].tid == c->ch[1].tid || c->ch[0].tid > (1 << 22))
+                continue;
+            c->ch[0].stop = 1; c->ch[1].stop = 1;
+            hits++;
+        }
+    while (*p && *p != '\n') p++;
+    if (*p) p++;
+}
+return hits;
+"""
+
+
+@attacks.needs_cc
+@pytest.mark.parametrize("place", ["init", "ctor"])
+def test_stopping_dma_from_an_init_or_constructor_restarts_the_core(dev, tmp_path, place):
+    with Tasks(socket=dev.path) as bystander:
+        data, inp, out = bystander.malloc(4 * N), bystander.malloc(64), bystander.malloc(4 * N)
+        x = 1 + np.arange(N, dtype=np.float32) / np.float32(N)
+        data.buf.mm[:4 * N] = x.tobytes()
+        inp.buf.mm[:17] = struct.pack("<i4xQB", 4 * N, data.phy, 1)
+        ref = scipy.special.softmax(x.astype(np.float64))
+        assert np.max(np.abs(_softmax(bystander, inp, out, x) - ref) / ref) <= 1e-6  # the context exists now
+        before = dev.output().count("core 0 died (exit 76: user code broke its runtime)")
+
+        got = attacks.launch(dev.path, tmp_path, place, FIND_BY_L2, arg=memory.L2_SIZE)
+
+        assert got.status == "ERR_CALL" and "stop flag was set" in got.error, got
+        deadline = time.monotonic() + 30
+        while dev.output().count("core 0 died (exit 76: user code broke its runtime)") <= before:
+            assert time.monotonic() < deadline, dev.output()[-2000:]
+            time.sleep(0.05)
+        assert np.max(np.abs(_softmax(bystander, inp, out, x) - ref) / ref) <= 1e-6
+    assert dev.alive()

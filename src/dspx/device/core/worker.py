@@ -449,12 +449,11 @@ class CoreWorker:
                 done.error = clip(done.error)
                 done.numbers = {k: v for k in ("oom_requested", "oom_free", "oom_total", "error_line")
                                 if isinstance(v := getattr(e, k, None), int)}
-            if done.status == Status.SUCCESS and self._ops is not None:
-                broken = self._ops.rt.broken()  # a library's init or a module's constructor ran here
-                if broken:
-                    done.status, done.error = int(Status.ERR_CALL), f"{type(rec).__name__} broke the core's " \
-                                                                     f"runtime: {broken}; the core restarts"
-                    self._broken(done.error)
+            broken = self._ops.rt.broken() if self._ops is not None else ""  # a library's init, a constructor
+            if broken:
+                done.status, done.error = int(Status.ERR_CALL), f"{type(rec).__name__} broke the core's runtime: " \
+                                                                 f"{broken}; the core restarts"
+                self._broken(done.error)
             if rec.job:
                 self.reply(done)
             self._restart_if_broken()
