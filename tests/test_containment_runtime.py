@@ -444,3 +444,30 @@ def test_the_shims_self_check_under_sanitizers(tmp_path, sanitizer):
     assert lines[4].startswith("mode 3 broken='the canary after the runtime context"), p.stdout
     assert lines[5].startswith("mode 4 broken='DMA channel 0's queue is inconsistent"), p.stdout
     assert "Sanitizer" not in p.stderr, p.stderr[-3000:]
+
+
+@attacks.needs_cc
+def test_a_job_queued_behind_the_breaking_call_runs_on_the_restarted_core(dev, tmp_path):
+    """The core says it ends before it answers: the bystander's call, queued
+    behind the attacker's on the same core, is not handed to the dying
+    process (it would fail as 'crashed') but runs after the restart."""
+    elf = attacks.build(tmp_path, "handler", FIND_AND_BREAK)
+    with Tasks(socket=dev.path) as bystander, Tasks(socket=dev.path) as attacker:
+        data, inp, out = bystander.malloc(4 * N), bystander.malloc(64), bystander.malloc(4 * N)
+        x = 1 + np.arange(N, dtype=np.float32) / np.float32(N)
+        data.buf.mm[:4 * N] = x.tobytes()
+        inp.buf.mm[:17] = struct.pack("<i4xQB", 4 * N, data.phy, 1)
+        ref = scipy.special.softmax(x.astype(np.float64))
+        _softmax(bystander, inp, out, x)
+        h, _ = attacker.load_ops(elf)
+        ai, ao = attacker.malloc(4096), attacker.malloc(4096)
+        ai.buf.mm[:8] = (1).to_bytes(8, "little")
+        for _ in range(3):
+            t = attacker.submit(attacker.rpc(attacks.ATTACK_CMD, ai, ao), core=0)
+            queued = bystander.submit(bystander.rpc(SOFTMAX, inp, out), core=0)
+            with pytest.raises(DeviceError) as e:
+                attacker.wait(t, timeout_ms=60_000)
+            assert e.value.status_name == "ERR_CALL" and BROKEN[1] in str(e.value), e.value
+            assert bystander.wait(queued, timeout_ms=60_000).return_value == 0  # a hang guard only
+            assert np.max(np.abs(np.frombuffer(out.buf.mm, np.float32, count=N) - ref) / ref) <= 1e-6
+        attacker.unload_ops(h)
