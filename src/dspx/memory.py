@@ -41,7 +41,12 @@ SYNC_END = 4
 # change under the device's mapping (a shrink would turn a later access into
 # SIGBUS in the device).
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
+# Seals that forbid what a core does with every buffer, a MAP_SHARED
+# PROT_READ|PROT_WRITE mapping (linux/fcntl.h; Python lacks FUTURE_WRITE).
+F_SEAL_FUTURE_WRITE = 0x10
+WRITE_SEALS = {fcntl.F_SEAL_WRITE: "F_SEAL_WRITE", F_SEAL_FUTURE_WRITE: "F_SEAL_FUTURE_WRITE"}
+# statfs f_type of shmem (a plain memfd's filesystem) and of hugetlbfs
+TMPFS_MAGIC, HUGETLBFS_MAGIC = 0x01021994, 0x958458F6
 
 
 class AddressError(ValueError):
@@ -219,9 +224,49 @@ def open_attached(fd: int, size: int) -> "FileView":
         raise ValueError("attached memfd must be sealed against shrink, grow and further sealing")
     if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
         raise ValueError("attached memfd must be open for reading and writing")
+    for seal, name in WRITE_SEALS.items():
+        if seals & seal:
+            raise ValueError(f"attached memfd is sealed with {name}: cores map every buffer shared and writable")
+    fs = _fs_type(fd)
+    if fs != TMPFS_MAGIC:
+        what = "a hugetlb memfd (MFD_HUGETLB)" if fs == HUGETLBFS_MAGIC else f"on a filesystem of type 0x{fs:x}"
+        raise ValueError(f"attached memfd is {what}; cores map only plain shmem memfds")
     if size <= 0 or size > st.st_size:
         raise ValueError(f"attach size {size} but the memfd holds {st.st_size} bytes")
+    _try_map(fd, size)
     return FileView(fd, size)
+
+
+_libc = None
+
+
+def _c():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                                     ctypes.c_int, ctypes.c_int, ctypes.c_long)
+        _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return _libc
+
+
+def _fs_type(fd: int) -> int:
+    """statfs f_type of the fd's filesystem (struct statfs starts with it)."""
+    buf = (ctypes.c_long * 16)()
+    if _c().fstatfs(fd, buf) != 0:
+        raise OSError(ctypes.get_errno(), "fstatfs on the attached fd failed")
+    return buf[0] & 0xFFFFFFFF
+
+
+def _try_map(fd: int, size: int) -> None:
+    """Map it as a core will (shared, read-write; no page is touched) and
+    unmap: whatever else the kernel refuses is refused at attach, not in a core."""
+    libc = _c()
+    addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        err = ctypes.get_errno()
+        raise ValueError(f"attached memfd cannot be mapped shared and writable: {os.strerror(err)}")
+    libc.munmap(addr, size)
 
 
 class FileView:

@@ -222,6 +222,10 @@ class Switched:
 # (u64 at 8) the front's.
 STATUS_WORD = struct.Struct("<Q")
 STATUS_DONE, STATUS_WAKE = 0, 8
+# Raised by a core before the Done of a job whose user code broke its
+# runtime: the core ends after answering, and the front gives it nothing more.
+STATUS_RESTART = 16
+EXIT_RUNTIME_BROKEN = 76  # that core's exit status
 STATUS_SIZE = 4096
 
 

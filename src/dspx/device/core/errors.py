@@ -103,6 +103,14 @@ class DmaTimeout(CoreError, TimeoutError):
     status = Status.ERR_TIMEOUT
 
 
+class RuntimeBroken(CoreError):
+    """User code broke the core's own runtime (the shim's canaries, DMA
+    threads or queues): its caller gets ERR_CALL naming what broke, and the
+    core restarts before anyone else's job runs there."""
+
+    status = Status.ERR_CALL
+
+
 # ---------------------------------------------------- op registry / op libraries
 
 class OpLoadError(LoadError):

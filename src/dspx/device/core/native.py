@@ -35,7 +35,7 @@ from elftools.elf.elffile import ELFFile
 
 from ...abi.protocol import Status
 from . import probe
-from .errors import OpLoadError, OpSymbolError
+from .errors import OpLoadError, OpSymbolError, RuntimeBroken
 from .exports import ALLOWED_NEEDED, linker_tags
 from .native_exports import check_imports
 
@@ -203,6 +203,8 @@ def shim() -> ctypes.CDLL:
         lib.dspx_rt_collect_end.argtypes = [I, P, P, P, ctypes.c_char_p, I]
         lib.dspx_rt_collect_end.restype = I
         lib.dspx_rt_symbol_name.argtypes, lib.dspx_rt_symbol_name.restype = [P, ctypes.c_char_p, I], U64
+        lib.dspx_rt_check.argtypes, lib.dspx_rt_check.restype = [P, I], I
+        lib.dspx_rt_broken.argtypes, lib.dspx_rt_broken.restype = [P], ctypes.c_char_p
         _shim = lib
     return _shim
 
@@ -242,6 +244,14 @@ class Context:
             text = f"[dspx] printf: {self._dropped.value} earlier bytes dropped\n" + text
         return fault, self._rv.value, self._cycles.value, text
 
+    def broken(self, check: bool = False) -> str:
+        """What the last task (or, with check, anything since) broke in the
+        shim's own state: its canaries, DMA threads, queues ("" if intact)."""
+        rt = shim()
+        if check:
+            rt.dspx_rt_check(self.ptr, 1)
+        return rt.dspx_rt_broken(self.ptr).decode(errors="replace")
+
 
 def context_of(core) -> Context:
     """The native context of a runtime.CoreRuntime, created on first use."""
@@ -255,7 +265,11 @@ def run(op: "NativeOp", input: np.ndarray, output: np.ndarray, task) -> tuple[in
     """(status, return value, cycles, printf text).  A handler that returns
     non-zero after an SDK call failed ends with that call's status (ERR_ADDR
     for a bad hb_dsp_mem_map ...), and the return value repeats it."""
-    fault, rv, cycles, text = context_of(task.core).run(op.fn, input, output, task.space)
+    ctx = context_of(task.core)
+    fault, rv, cycles, text = ctx.run(op.fn, input, output, task.space)
+    broken = ctx.broken()
+    if broken:
+        raise RuntimeBroken(f"native op {op.name} broke the core's runtime: {broken}; the core restarts")
     if fault and rv != 0:
         return fault, fault, cycles, text
     return int(Status.SUCCESS), rv, cycles, text

@@ -33,7 +33,7 @@ import numpy as np
 
 from ...abi.protocol import Status
 from . import native, runtime
-from .errors import OpBusy, OpLoadError, OpSymbolError, UnknownLibrary, NoSuchOp
+from .errors import NoSuchOp, OpBusy, OpLoadError, OpSymbolError, RuntimeBroken, UnknownLibrary
 
 RUNTIME_MODULE = "dspx.device.core.runtime"
 ALLOWED_MODULES = ("numpy", "math", RUNTIME_MODULE)
@@ -330,6 +330,9 @@ class OpRegistry:
             elapsed = (runtime.cycles() - start) & ((1 << 64) - 1)
         for note in task.core.settle():
             task.write(note + "\n")
+        broken = task.core.dma.broken()
+        if broken:
+            raise RuntimeBroken(f"op 0x{cmd:x} ({op.name}) broke the core's runtime: {broken}; the core restarts")
         if status == Status.SUCCESS:
             if isinstance(rv, bool) or not isinstance(rv, numbers.Integral):
                 status = Status.ERR_CALL

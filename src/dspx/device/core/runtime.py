@@ -191,6 +191,9 @@ class _Copy:
         self.error: BaseException | None = None
 
 
+_STOP = object()  # close()'s private end-of-queue mark
+
+
 class DmaEngine:
     """Two DMA channels, each a worker thread copying in submission order.
     ``copy`` returns at once; ``wait(channel)`` returns when every copy queued
@@ -276,16 +279,29 @@ class DmaEngine:
     def close(self) -> None:
         self.drain()
         for q in self._queues:
-            q.put(None)
+            q.put(_STOP)
         for t in self.threads:
             t.join(self.timeout)
+
+    def broken(self) -> str:
+        """What is wrong with the engine once a task settled ("" if intact):
+        a worker thread gone, or a queue holding something nobody waits for."""
+        for ch, (t, q) in enumerate(zip(self.threads, self._queues)):
+            if not t.is_alive():
+                return f"DMA channel {ch}'s thread is gone"
+            if not q.empty() or self._pending[ch]:
+                return f"DMA channel {ch}'s queue is inconsistent (items nobody waits for)"
+        return ""
 
     def _do_copy(self, src: np.ndarray, dst: np.ndarray) -> None:
         np.copyto(dst, src)
 
     def _worker(self, q: queue.SimpleQueue) -> None:
-        # Idle workers block on their queue; close() wakes them with None.
-        while (job := q.get()) is not None:
+        # Idle workers block on their queue; only close() ends them (a handler
+        # that puts None or junk in a queue does not).
+        while (job := q.get()) is not _STOP:
+            if not isinstance(job, _Copy):
+                continue
             try:
                 self._do_copy(job.src, job.dst)
             except Exception as e:  # reported to whoever waits on the channel
@@ -325,6 +341,11 @@ class CoreRuntime:
         if leaked:
             notes.append(f"[dspx] handler returned with {leaked} L2 tiles allocated; freed")
         return notes
+
+    def broken(self) -> str:
+        """What user code broke in this core's runtime ("" if intact): the
+        Python DMA engine, and the native shim's state if it exists."""
+        return self.dma.broken() or (self.native.broken(check=True) if self.native is not None else "")
 
     def close(self) -> None:
         self.dma.close()

@@ -10,6 +10,7 @@ sent it once), right after the ``Done``.
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import mmap
 import os
@@ -25,6 +26,7 @@ from ...abi.protocol import Status
 from ...transport import Endpoint, PeerClosed
 from .. import jobs
 from . import probe, sandbox
+from .errors import RuntimeBroken
 from .ops import clip
 
 # Module bytes are loaded once in a forked child before the core maps them
@@ -33,6 +35,7 @@ LOAD_PROBE_ENV = "DSPX_LOAD_PROBE"
 LOAD_PROBE_TIMEOUT_S = 30
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 EXIT_TORN_IMPORT = 75  # the core ended itself: an abort cut an import short (EX_TEMPFAIL)
+EXIT_RUNTIME_BROKEN = jobs.EXIT_RUNTIME_BROKEN  # the core ended itself: user code broke its runtime
 
 
 class JobAborted(Exception):
@@ -51,7 +54,7 @@ class CoreWorker:
         self.index = index
         self.switches = 0  # owner switches taken (jobs.Switched)
         self.threads = threads
-        self.bufs: dict[int, mmap.mmap] = {}
+        self.bufs: dict[int, mmap.mmap] = _Buffers()
         self.clients: dict[int, socket.socket] = {}  # cid -> the client's socket, for direct answers
         self.plans: dict[int, object] = {}  # plan id -> inference.Prepared | rpc.Prepared
         self.modules: dict[int, object] = {}
@@ -60,6 +63,7 @@ class CoreWorker:
         self._running_job = None  # id of the job being run, the only thing an abort may interrupt
         self._aborted = None  # (job, status) of the last abort signalled
         self.planner = None  # planner.Planner once the sandbox is on
+        self._broken_why = ""  # set when user code broke the runtime: the core ends after answering
 
     def _on_abort(self, signum, frame) -> None:
         # The front signals only while it believes one of our jobs runs;
@@ -119,21 +123,27 @@ class CoreWorker:
             if not fds:
                 raise RuntimeError("a client socket was announced without its fd")
             fd = fds.pop(0)
-            cid = (rec.spec or self.plans[rec.plan].spec).cid
+            cid = (rec.spec or _spec(self.plans[rec.plan])).cid
             old = self.clients.pop(cid, None)
             if old is not None:
                 old.close()
             self.clients[cid] = socket.socket(fileno=fd)
+        failed = None
         for buf_id, size in rec.new_bufs:
-            if not fds:
-                raise RuntimeError(f"buffer {buf_id} arrived without its fd (fd limit?)")
-            fd = fds.pop(0)
+            fd = fds.pop(0) if fds else None
             try:
+                if fd is None:
+                    raise OSError("it arrived without its fd (fd limit?)")
                 self.bufs[buf_id] = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except (OSError, ValueError) as e:  # the job fails with this status; later jobs naming it too
+                self.bufs.failed[buf_id] = failed = BufferMapError(buf_id, size, e)
             finally:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
         for fd in fds:
             os.close(fd)
+        if failed is not None:
+            raise failed
 
     def drop_buffers(self) -> None:
         """Close every client socket, unmap every buffer and drop every plan
@@ -154,6 +164,7 @@ class CoreWorker:
             except BufferError:
                 kept.append(mm)
         self.bufs.clear()
+        self.bufs.failed.clear()
         if kept:
             gc.collect()  # views in reference cycles (a plan's, a traceback's)
             for mm in kept:
@@ -171,9 +182,10 @@ class CoreWorker:
                 s.close()
         if rec.conns:  # a closed connection's plans go too, also any the front no longer tracks
             gone = set(rec.conns)
-            for p in [p for p, plan in self.plans.items() if plan.spec.cid in gone]:
+            for p in [p for p, plan in self.plans.items() if _spec(plan).cid in gone]:
                 del self.plans[p]
         for b in rec.bufs:
+            self.bufs.failed.pop(b, None)
             mm = self.bufs.pop(b, None)
             if mm is not None:
                 try:
@@ -289,10 +301,13 @@ class CoreWorker:
     # ---------------------------------------------------------------- calls (INFER, RPC)
     def _plan(self, rec: jobs.Call):
         plan = self.plans.get(rec.plan)
-        if plan is None:
-            spec = rec.spec
+        if plan is None or isinstance(plan, (jobs.InferSpec, jobs.RpcSpec)):
+            spec = rec.spec or plan
             if spec is None:
                 raise RuntimeError(f"plan {rec.plan} is unknown on core {self.index}")
+            # Kept before it is built: a plan that cannot be built (a buffer this
+            # core cannot map) fails each of its calls the same way.
+            self.plans[rec.plan] = spec
             if isinstance(spec, jobs.InferSpec):
                 from . import inference
                 from .errors import HandleError
@@ -308,10 +323,17 @@ class CoreWorker:
             self.plans[rec.plan] = plan
         return plan
 
-    def call(self, rec: jobs.Call) -> None:
-        """Run a call, tell the front it ended, then answer the client."""
+    def call(self, rec: jobs.Call, failed: BaseException | None = None) -> None:
+        """Run a call, tell the front it ended, then answer the client.
+        ``failed``: why it cannot run (its buffers could not be mapped); it
+        is answered with that status all the same."""
         status, error, numbers, resp, spec = Status.SUCCESS, "", {}, None, rec.spec
         try:
+            if failed is not None:
+                if spec is not None:  # its later calls come without it: they fail the same way
+                    self.plans.setdefault(rec.plan, spec)
+                spec = _spec(self.plans.get(rec.plan))
+                raise failed
             plan = self._plan(rec)
             spec = plan.spec
             if isinstance(spec, jobs.InferSpec):
@@ -336,6 +358,8 @@ class CoreWorker:
             if status == Status.ERR_GENERIC:
                 error += "\n" + traceback.format_exc()
             error = clip(error)
+            if isinstance(e, RuntimeBroken):
+                self._broken(str(e))
         status = self._abort_status(rec.job, status)
         if resp is None:
             req_type = P.MsgType.RPC if isinstance(spec, jobs.RpcSpec) else (
@@ -419,20 +443,26 @@ class CoreWorker:
                 rec, fds = jobs.recv(self.ep, jobs.FRONT_TO_CORE)
             except PeerClosed:
                 return
+            failed = None
             try:
                 self._take_fds(rec, fds)
-            except Exception as e:  # noqa: BLE001 - the job fails, the core keeps serving
-                if rec.job:
-                    self.reply(jobs.Done(rec.job, int(Status.ERR_GENERIC), clip(f"{type(e).__name__}: {e}")))
-                continue
-            if isinstance(rec, jobs.Call):
+            except Exception as e:  # noqa: BLE001 - the job fails with a status, the core keeps serving
+                failed = e
+            if isinstance(rec, jobs.Call):  # answered like any call: one answer, to the client
                 self._running_job = rec.job
                 try:
-                    self.call(rec)
+                    self.call(rec, failed)
                 except JobAborted:
                     pass  # the abort landed after the answer went out
                 finally:
                     self._running_job = None
+                self._restart_if_broken()
+                continue
+            if failed is not None:
+                if rec.job:
+                    status = getattr(failed, "status", Status.ERR_GENERIC)
+                    self.reply(jobs.Done(rec.job, int(status), clip(f"{type(failed).__name__}: {failed}"
+                                                                    if status == Status.ERR_GENERIC else str(failed))))
                 continue
             done = jobs.Done(rec.job)
             try:
@@ -454,8 +484,27 @@ class CoreWorker:
                 done.error = clip(done.error)
                 done.numbers = {k: v for k in ("oom_requested", "oom_free", "oom_total", "error_line")
                                 if isinstance(v := getattr(e, k, None), int)}
+            broken = self._ops.rt.broken() if self._ops is not None else ""  # a library's init, a constructor
+            if broken:
+                done.status, done.error = int(Status.ERR_CALL), f"{type(rec).__name__} broke the core's runtime: " \
+                                                                 f"{broken}; the core restarts"
+                self._broken(done.error)
             if rec.job:
                 self.reply(done)
+            self._restart_if_broken()
+
+    def _broken(self, why: str) -> None:
+        """User code broke the runtime: the front learns it (status page)
+        before the job's end, so it gives this core nothing more."""
+        self._broken_why = why
+        jobs.STATUS_WORD.pack_into(self.status, jobs.STATUS_RESTART, 1)
+
+    def _restart_if_broken(self) -> None:
+        """After the job's answer: end the core so that it restarts clean."""
+        if self._broken_why:
+            os.write(2, f"dspx-core {self.index}: {self._broken_why}; exiting with status "
+                        f"{EXIT_RUNTIME_BROKEN} to restart\n".encode())
+            os._exit(EXIT_RUNTIME_BROKEN)
 
     def reply(self, done: jobs.Done) -> None:
         """Send a Done; one too large for the channel becomes a failure that fits."""
@@ -487,6 +536,34 @@ def _read_paths() -> list[str]:
              sys.exec_prefix, str(sdk.cache_root())]
     paths += [os.path.realpath(p or ".") for p in sys.path]
     return sorted(set(paths))
+
+
+def _spec(plan):
+    """The spec of a plan (one not built yet is its spec)."""
+    return getattr(plan, "spec", plan)
+
+
+class BufferMapError(OSError):
+    """A buffer the front sent that this core cannot map (MAP_SHARED,
+    read-write): every job naming it is answered with this, never left
+    unanswered."""
+
+    def __init__(self, buf_id: int, size: int, cause: BaseException):
+        super().__init__(f"core cannot map buffer {buf_id} ({size} bytes) shared read-write: {cause}")
+        self.status = Status.ERR_NOMEM if getattr(cause, "errno", None) == errno.ENOMEM else Status.ERR_INVALID
+
+
+class _Buffers(dict):
+    """The mapped buffers by id; one whose mapping failed raises why."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed: dict[int, BufferMapError] = {}
+
+    def __missing__(self, buf_id):
+        if buf_id in self.failed:
+            raise self.failed[buf_id]
+        raise KeyError(buf_id)
 
 
 def _importing(frame) -> str:

@@ -133,6 +133,11 @@ class CoreProc:
         job = self.running
         return job is not None and jobs.STATUS_WORD.unpack_from(self.status, jobs.STATUS_DONE)[0] == job.rec.job
 
+    def retiring(self) -> bool:
+        """Whether the core said it ends after its job (user code broke its
+        runtime): it gets no more jobs; it is restarted when it exits."""
+        return self.ep is not None and jobs.STATUS_WORD.unpack_from(self.status, jobs.STATUS_RESTART)[0] != 0
+
     def want_done(self, wake: bool) -> None:
         """Ask for (or stop asking for) a Done datagram when the running call succeeds."""
         jobs.STATUS_WORD.pack_into(self.status, jobs.STATUS_WAKE, int(wake))

@@ -240,7 +240,8 @@ class Service:
         if self.stopping:  # shutting down (Ctrl-C reaches the whole process group): no restart, no news
             return
         code = c.proc.poll() if c.proc else None
-        self.log(f"core {c.index} died (exit {code}); restarting")
+        why = ": user code broke its runtime" if code == jobs.EXIT_RUNTIME_BROKEN else ""
+        self.log(f"core {c.index} died (exit {code}{why}); restarting")
         started = c.ready
         self._unregister(c.ep.fileno())
         c.close_channel()
@@ -489,7 +490,7 @@ class Service:
         for c in self.cores:
             if isinstance(getattr(c.running, "rec", None), jobs.Call):
                 self._poll_done(c)
-        idle = [c for c in self.cores if c.ready and c.running is None]
+        idle = [c for c in self.cores if c.ready and c.running is None and not c.retiring()]
         if not idle:
             # Work waits behind running calls: have them say when they end.
             for c in self.cores:

@@ -77,10 +77,16 @@ struct channel {
     struct autoinc ai;
 };
 
-struct xvTileManager { struct dspx_ctx *ctx; };
+/* A handler's tm is an opaque handle, not an address: a per-task value in
+ * the non-canonical half of the address space (dereferencing it faults), that
+ * the SDK calls compare with the running task's.  A forged or stale handle is
+ * refused; nothing of the context is reachable through it. */
+#define TM_TAG 0xD500000000000000ull
+#define TM_MASK 0x00FFFFFFFFFFFFFFull
 
 struct dspx_ctx {
-    struct xvTileManager tm;
+    uint64_t canary_lo; /* canary_of(c): a write over the context's ends shows here */
+    uint64_t tm_handle, tm_seed, tasks;
     uint8_t *l2;
     size_t l2_size;
     struct tile tiles[MAX_TILES]; /* sorted by offset */
@@ -95,9 +101,18 @@ struct dspx_ctx {
     char *text;
     size_t text_total;
     int fault;
+    char broken[256]; /* what dspx_rt_check found wrong after the last task */
+    uint64_t canary_hi;
 };
 
 static __thread struct dspx_ctx *cur;
+static uint64_t canary_key; /* set once, outside every context */
+
+static uint64_t canary_of(const struct dspx_ctx *c) { return canary_key ^ (uint64_t)(uintptr_t)c; }
+
+static int tm_ok(const struct dspx_ctx *c, const void *tm) {
+    return c != NULL && (uint64_t)(uintptr_t)tm == c->tm_handle;
+}
 
 /* ------------------------------------------------------------ text */
 
@@ -317,8 +332,9 @@ static int tile_index(struct dspx_ctx *c, const uint8_t *p) {
 
 DSPX_EXPORT void *xvAllocateBuffer(xvTileManager *tm, int32_t size, int32_t color, int32_t align) {
     struct dspx_ctx *c = cur;
-    if (c == NULL || tm != &c->tm) {
-        fail(ST_INVALID, "RuntimeMisuse: xvAllocateBuffer: tm is not the running task's tile manager");
+    if (!tm_ok(c, tm)) {
+        fail(ST_INVALID, "RuntimeMisuse: xvAllocateBuffer: tm %p is not the running task's tile manager "
+             "(pass the handler's tm unchanged, during that task)", (void *)tm);
         return NULL;
     }
     if (size <= 0 || (color != 0 && color != 1) || align <= 0 || (align & (align - 1))) {
@@ -376,8 +392,9 @@ static int pinned(struct dspx_ctx *c, int k, size_t off) {
  * its tiles right after its last frame, which waits on one channel only. */
 DSPX_EXPORT int32_t xvFreeBuffer(xvTileManager *tm, void const *buf) {
     struct dspx_ctx *c = cur;
-    if (c == NULL || tm != &c->tm) {
-        fail(ST_INVALID, "RuntimeMisuse: xvFreeBuffer: tm is not the running task's tile manager");
+    if (!tm_ok(c, tm)) {
+        fail(ST_INVALID, "RuntimeMisuse: xvFreeBuffer: tm %p is not the running task's tile manager "
+             "(pass the handler's tm unchanged, during that task)", (void *)tm);
         return XVTM_ERROR;
     }
     int i = tile_index(c, buf);
@@ -682,7 +699,14 @@ DSPX_EXPORT struct dspx_ctx *dspx_rt_new(void *l2, size_t l2_size) {
         free(c);
         return NULL;
     }
-    c->tm.ctx = c;
+    if (canary_key == 0) {
+        if (syscall(SYS_getrandom, &canary_key, sizeof canary_key, 0) != (long)sizeof canary_key)
+            canary_key = dspx_cycles();
+        canary_key |= 1;
+    }
+    if (syscall(SYS_getrandom, &c->tm_seed, sizeof c->tm_seed, 0) != (long)sizeof c->tm_seed)
+        c->tm_seed = dspx_cycles() * 0x9E3779B97F4A7C15ull;
+    c->canary_lo = c->canary_hi = canary_of(c);
     c->l2 = l2;
     c->l2_size = l2_size;
     for (int k = 0; k < DSPX_DMA_CHANNELS; k++) {
@@ -774,6 +798,40 @@ static void settle(struct dspx_ctx *c) {
     c->nmaps = 0;
 }
 
+#define BROKEN(...) (snprintf(c->broken, sizeof c->broken, __VA_ARGS__), -1)
+
+/* The runtime's own state, checked after user code ran (cheap: a few loads
+ * and a tryjoin per channel): 0 if intact, else -1 with what is broken in
+ * c->broken (dspx_rt_broken).  settled: the task's copies were all waited
+ * for and its tiles freed, so every queue must be empty. */
+DSPX_EXPORT int dspx_rt_check(struct dspx_ctx *c, int settled) {
+    c->broken[0] = 0;
+    if (c->canary_lo != canary_of(c) || c->canary_hi != canary_of(c)) {
+        uint64_t want = canary_of(c), lo = c->canary_lo, hi = c->canary_hi;
+        return BROKEN("the canary %s the runtime context was overwritten (memory around the tile manager "
+                      "was written)", lo != want && hi != want ? "on both sides of" : lo != want ? "before" : "after");
+    }
+    for (int k = 0; k < DSPX_DMA_CHANNELS; k++) {
+        struct channel *ch = &c->ch[k];
+        uint64_t s = LOAD(ch->submitted), d = LOAD(ch->done), w = ch->waited;
+        if (LOAD(ch->stop))
+            return BROKEN("DMA channel %d's stop flag was set (its thread ends)", k);
+        if (pthread_tryjoin_np(ch->thread, NULL) != EBUSY)
+            return BROKEN("DMA channel %d's thread is gone", k);
+        if (d > s || w > s || s - w > QCAP || (settled && (d != s || w != s)))
+            return BROKEN("DMA channel %d's queue is inconsistent (submitted %llu, done %llu, waited %llu)", k,
+                          (unsigned long long)s, (unsigned long long)d, (unsigned long long)w);
+    }
+    if (c->ntiles < 0 || c->ntiles > MAX_TILES || c->nmaps < 0 || c->nmaps > MAX_MAPS || c->nregions < 0 ||
+        c->nregions > MAX_REGIONS || (settled && (c->ntiles || c->nmaps)))
+        return BROKEN("the tile/map tables are inconsistent (%d tiles, %d maps, %d regions)", c->ntiles, c->nmaps,
+                      c->nregions);
+    return 0;
+}
+
+/* What dspx_rt_check found broken ("" if nothing). */
+DSPX_EXPORT const char *dspx_rt_broken(struct dspx_ctx *c) { return c->broken; }
+
 /* Run one task: *rv the handler's return, *elapsed its cycles; returns the
  * status of the first SDK error noted during it (0 if none). */
 DSPX_EXPORT int dspx_rt_run(struct dspx_ctx *c, handle_fn fn, void *in, size_t in_size, void *out,
@@ -785,12 +843,19 @@ DSPX_EXPORT int dspx_rt_run(struct dspx_ctx *c, handle_fn fn, void *in, size_t i
     c->in_size = in_size;
     c->out = out;
     c->out_size = out_size;
+    c->tm_handle = TM_TAG | ((c->tm_seed + ++c->tasks * 0x9E3779B97F4A7C15ull) & TM_MASK);
     uint64_t t0 = dspx_cycles();
-    *rv = fn(in, out, &c->tm);
+    *rv = fn(in, out, (void *)(uintptr_t)c->tm_handle);
     *elapsed = dspx_cycles() - t0;
+    c->tm_handle = 0; /* stale from here on */
+    if (dspx_rt_check(c, 0)) { /* the handler broke the runtime: settling could hang on it */
+        cur = saved;
+        return c->fault;
+    }
     settle(c);
     int fault = c->fault;
     c->nregions = 0;
+    dspx_rt_check(c, 1);
     c->in = c->out = NULL;
     c->in_size = c->out_size = 0;
     cur = saved;
