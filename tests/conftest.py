@@ -35,6 +35,11 @@ class Device:
         self.log.seek(0)
         return self.log.read().decode(errors="replace")
 
+    def core_pids(self) -> list[int]:
+        """The device's core processes (the front's other child is the core spawner)."""
+        import psutil
+        return [p.pid for p in psutil.Process(self.proc.pid).children() if p.name() != "dspx-spawner"]
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 

@@ -161,7 +161,7 @@ def test_client_killed_in_each_phase_leaves_nothing_behind(fdev, so, phase):
 
 def cores_of(d) -> set[int]:
     """The front's core processes (its other child is the core spawner)."""
-    return {p.pid for p in psutil.Process(d.proc.pid).children() if p.name() != "dspx-spawner"}
+    return set(d.core_pids())
 
 
 def test_stubborn_long_op_costs_a_core_restart_but_nothing_else(fdev, so):

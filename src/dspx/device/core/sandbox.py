@@ -413,6 +413,7 @@ FRONT_ALLOW = (
     "mmap", "munmap", "mremap", "mprotect", "madvise", "brk", "memfd_create", "ftruncate", "fallocate",
     "pread64", "pwrite64", "readv", "writev", "lseek", "copy_file_range", "sendfile", "dup", "dup2", "dup3",
     "fstat", "newfstatat", "statx",
+    "fstatfs",  # BUF_ATTACH: a buffer must be on shmem (not hugetlbfs) for a core to map it
     # files: a client's module bytes, /proc for the cores' RSS (psutil), the spare fd, its log and trace
     "open", "openat", "stat", "lstat", "access", "faccessat", "faccessat2", "readlink", "readlinkat",
     "getdents64", "getcwd", "fsync", "fdatasync", "unlink", "unlinkat",  # the socket path at shutdown

@@ -488,6 +488,7 @@ class CoreWorker:
             if broken:
                 done.status, done.error = int(Status.ERR_CALL), f"{type(rec).__name__} broke the core's runtime: " \
                                                                  f"{broken}; the core restarts"
+                done.value = None  # a failure carries no result (the front refuses a Done that does)
                 self._broken(done.error)
             if rec.job:
                 self.reply(done)
