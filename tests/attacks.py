@@ -116,7 +116,7 @@ def launch(dev_path: str, tmp_path: Path, place: str, body: str, arg: int = 0, *
                 loaded = c.load_module(elf)
             except DeviceError as e:
                 return Outcome(e.status_name, error=str(e))
-            c.unload_module(loaded.module_handle)
+            c.unload_module(loaded.handle)
             return Outcome()
     with Tasks(socket=dev_path) as u:
         try:

@@ -186,13 +186,16 @@ def test_two_default_clients_share_a_default_device():
         a._stage(b"y" * (3 << 20), "test")  # grows; the KV contents come along
         assert a.staging.size == (3 << 20) + a.kv_size
         assert list(a.kv_view(0, (4,), "float32")) == [1, 2, 3, 4]
-        # both clients can take memory; neither can take the whole window
+        # both clients can take memory; together (one process) they cannot take the whole window
         keep = [b.alloc(64 << 20) for _ in range(2)]
         with pytest.raises(OutOfMemory) as e:
             for _ in range(8):
                 keep.append(a.alloc(64 << 20))
-        assert "connection quota" in str(e.value) and "of 402653184" in str(e.value), e.value
-        assert b.alloc(1 << 20)  # the other client still gets memory
+        assert "process quota" in str(e.value) and "of 402653184" in str(e.value), e.value
+        out = subprocess.run([sys.executable, "-c", "from dspx.host.client import Client; "  # another process
+                              f"c = Client({d.path!r}); print(c.alloc(1 << 20).size)"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == str(1 << 20), out.stderr
         a.close()
         b.close()
     finally:
@@ -541,7 +544,9 @@ HANG_ON_CORE1 = textwrap.dedent("""
 
 @pytest.mark.parametrize("stubborn", [False, True])
 def test_a_library_that_hangs_at_import_on_one_core_is_refused_everywhere(stubborn):
-    d = Device("--carveout-size", "64M", "--cores", "2", "--job-timeout", "0.5")
+    # Core 0 loads it first (and must finish within the limit, which also
+    # bounds the load: 5 s, room for a loaded machine), then core 1 hangs.
+    d = Device("--carveout-size", "64M", "--cores", "2", "--job-timeout", "5")
     try:
         with Tasks(socket=d.path) as u:
             t0 = time.monotonic()
@@ -553,7 +558,7 @@ def test_a_library_that_hangs_at_import_on_one_core_is_refused_everywhere(stubbo
                 assert e.value.status_name == "ERR_TIMEOUT" and "restarted" in str(e.value), e.value
             else:  # interrupted in its own code
                 assert e.value.status_name == "ERR_LOAD" and "time limit" in str(e.value), e.value
-            assert took < 10, f"refused after {took:.1f} s (limit 0.5 s)"
+            assert took < 60, f"refused after {took:.1f} s (limit 5 s)"
             assert 0x3E02 not in [o["cmd"] for o in u.ops()]
             with pytest.raises(DeviceError):
                 u.run(0x3E02, u.malloc(4), u.malloc(4), core=0)

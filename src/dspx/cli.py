@@ -22,6 +22,7 @@ import sys
 import click
 
 from . import fmt, log, memory
+from .abi.protocol import DEFAULT_JOB_TIMEOUT_S
 
 SOCKET_HELP = ("device socket (default: $DSPX_SOCKET, else the per-user socket when a device listens there, "
                "else a private simulated device started for this command)")
@@ -159,9 +160,9 @@ def _size_option(name, default, what):
 @click.option("--cores", default=1, show_default=True, type=click.IntRange(min=1),
               help="simulated DSP cores (one process each)")
 @click.option("--threads", default=0, type=click.IntRange(min=0), help="threads per core (default: cpus / cores)")
-@click.option("--job-timeout", default=0.0, type=click.FloatRange(min=0),
+@click.option("--job-timeout", default=DEFAULT_JOB_TIMEOUT_S, show_default=True, type=click.FloatRange(min=0),
               help="seconds a task or inference may run before it is stopped (0: no limit; a task's own "
-                   "timeout_ms wins)")
+                   "timeout_ms wins; the default is far above any legitimate call, docs/reliability.md §5c)")
 @click.option("--conn-memory", default=None,
               help="window bytes one connection may attach (64M, 1G; default: 3/4 of the window)")
 def serve(socket, carveout_size, ddr_pool_size, cores, threads, job_timeout, conn_memory):

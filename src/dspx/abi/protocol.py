@@ -702,3 +702,12 @@ def failure_response(req_type: int, seq: int, status: int, **numbers) -> Message
             lo, hi = (0, (1 << bits) - 1) if w in "IQ" else (-(1 << bits - 1), (1 << bits - 1) - 1)
             setattr(resp, k, min(max(int(v), lo), hi))
     return resp
+
+
+# A task's or inference's run time past which it is stopped, unless the
+# request names its own (timeout_ms) or the device was started with another
+# --job-timeout (0: none).  The longest legitimate single call measured here
+# is seconds (an LLM prefill of the whole context; the tests' longest job on
+# purpose runs 20 s), so 120 s leaves a loaded 2-core machine 6x and more,
+# and still frees a core from a hung handler within two minutes.
+DEFAULT_JOB_TIMEOUT_S = 120.0

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from .. import memory
+from ..abi.protocol import DEFAULT_JOB_TIMEOUT_S
 from ..transport import TransportError, default_socket_path
 from .front.loop import Service
 
@@ -25,9 +26,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="threads per core (default: cpus / cores)")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this parent process is gone")
-    ap.add_argument("--job-timeout", type=float, default=0.0,
-                    help="seconds a task or inference may run before it is stopped (0: no limit; "
-                         "an RPC's own timeout_ms wins)")
+    ap.add_argument("--job-timeout", type=float, default=DEFAULT_JOB_TIMEOUT_S,
+                    help=f"seconds a task or inference may run before it is stopped (default "
+                         f"{DEFAULT_JOB_TIMEOUT_S:.0f}; 0: no limit; a request's own timeout_ms wins)")
     ap.add_argument("--conn-memory", type=parse_size, default=None,
                     help="window bytes one connection may attach (default: 3/4 of the carveout window)")
     ap.add_argument("--quiet", action="store_true")

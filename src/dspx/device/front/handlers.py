@@ -217,6 +217,11 @@ class Handlers:
             raise Reject(S.ERR_NOMEM, f"connection quota: {req.size} bytes requested, {conn.attached} of "
                                       f"{lim.conn_bytes} attached by this connection already "
                                       f"(free {lim.conn_bytes - conn.attached}; window total {self.st.window.size})")
+        peer = self.st.peer_use(conn.pid)[0]
+        if lim.peer_bytes and peer + req.size > lim.peer_bytes:
+            raise Reject(S.ERR_NOMEM, f"process quota: {req.size} bytes requested, {peer} of {lim.peer_bytes} "
+                                      f"attached by process {conn.pid}'s connections already (free "
+                                      f"{lim.peer_bytes - peer}; window total {self.st.window.size})")
         fd = fds[0]
         try:
             view = memory.open_attached(fd, req.size)
@@ -311,6 +316,10 @@ class Handlers:
                              oom_free=n.get("oom_free", 0), oom_total=total)
             v: jobs.Loaded = res.value
             need = v.text_size + v.data_size + v.workspace_bytes
+            try:
+                self.st.check_peer_ddr(conn, need, "module")
+            except Reject as e:
+                raise _NoRoom(Notify(core, jobs.UnloadModule(handle=handle)), e) from None
             if not ddr.take(need):
                 raise _NoRoom(Notify(core, jobs.UnloadModule(handle=handle)),
                               Reject(S.ERR_NOMEM, f"module needs {need} bytes of the DDR pool; {ddr.free} of "
@@ -360,6 +369,10 @@ class Handlers:
             if res.status != S.SUCCESS:
                 raise Reject(res.status, res.error)
             v: jobs.WeightsLoaded = res.value
+            try:
+                self.st.check_peer_ddr(conn, v.nbytes, "weights")
+            except Reject as e:
+                raise _NoRoom(Notify(core, jobs.UnloadWeights(model_id=model_id)), e) from None
             if not ddr.take(v.nbytes):
                 raise _NoRoom(Notify(core, jobs.UnloadWeights(model_id=model_id)),
                               Reject(S.ERR_NOMEM, f"weights need {v.nbytes} bytes of the DDR pool; {ddr.free} "
@@ -495,11 +508,13 @@ class Handlers:
         b, off = conn.resolve(req.src_dsp_addr, req.src_size, "op library source")
         return self._load_ops(conn, req, bytes(b.region.mm[off:off + req.src_size]), "<oplib>")
 
-    # An op library is loaded on every core at once (any core may run any
-    # command id) and installed only if every core took it: one that fails
-    # anywhere — an exception, a crash or exit of its core, a hang past
-    # OPS_LOAD_LIMIT_S (or --job-timeout, if shorter) — is unloaded from the
-    # cores that did take it and refused, naming the core.
+    # An op library is loaded on core 0 first, then on every other core at
+    # once (any core may run any command id), and installed only if every
+    # core took it: one that fails anywhere — an exception, a crash or exit of
+    # its core, a hang past OPS_LOAD_LIMIT_S (or --job-timeout, if shorter) —
+    # is unloaded from the cores that did take it and refused, naming the
+    # core.  Core 0 first: a library whose top level loops holds one core for
+    # the limit, not all of them.
     OPS_LOAD_LIMIT_S = 20.0
 
     def _load_ops(self, conn, req, source: bytes, filename: str) -> list:
@@ -507,7 +522,6 @@ class Handlers:
             raise Reject(S.ERR_SIZE, f"op library of {len(source)} bytes (1..{MAX_OPLIB_SOURCE})")
         handle = self.st.new_id()
         results: dict[int, jobs.Done] = {}
-        cores = range(self.cores.count)
         limit = min(self.OPS_LOAD_LIMIT_S, self.job_timeout_s or self.OPS_LOAD_LIMIT_S)
 
         def finished() -> list:
@@ -528,16 +542,21 @@ class Handlers:
                     else P.OpsLoadResp(seq=req.seq, lib_handle=handle, num_ops=len(ops)))
             return [_To(conn, resp)]
 
+        def load(core: int) -> Submit:
+            # The device's own job (no connection): a client that closes
+            # meanwhile does not leave a library on some cores only.
+            return Submit(FrontJob(jobs.LoadOps(handle=handle, source=source, filename=filename), None, None, core,
+                                   [], on(core), run_limit_s=limit))
+
         def on(core: int):
             def done(res: jobs.Done) -> list:
                 results[core] = res
-                return finished() if len(results) == self.cores.count else []
+                if core == 0 and res.status == S.SUCCESS and self.cores.count > 1:
+                    return [load(i) for i in range(1, self.cores.count)]
+                return finished() if core == 0 or len(results) == self.cores.count else []
             return done
 
-        # The device's own jobs (no connection): a client that closes meanwhile
-        # does not leave a library on some cores only.
-        return [Submit(FrontJob(jobs.LoadOps(handle=handle, source=source, filename=filename), None, None, i, [],
-                                on(i), run_limit_s=limit)) for i in cores]
+        return [load(0)]
 
     def replay_ops(self, core: int) -> list:
         """A restarted core gets every op library again, before anything else

@@ -32,6 +32,7 @@ from ..core import sandbox
 from .cores import CoreProc
 from .spawner import Spawner, SpawnerGone
 from .handlers import Cores, Forget, FrontJob, Handlers, Notify, Respond, Submit, _NoRoom, _To, failure
+from ...abi.protocol import DEFAULT_JOB_TIMEOUT_S
 from .state import MAX_PENDING, MAX_PENDING_PER_CONN, Conn, DeviceState, Limits, Reject
 
 # Responses the peer's socket could not take yet (it is not reading).  While a
@@ -68,11 +69,11 @@ def raise_fd_limit() -> int:
 class Service:
     def __init__(self, socket_path: str, carveout_size: int = memory.CARVEOUT_SIZE,
                  ddr_pool_size: int = memory.DDR_POOL_SIZE, cores: int = 1, threads: int = 0,
-                 parent_pid: int | None = None, log=None, job_timeout_s: float = 0.0,
+                 parent_pid: int | None = None, log=None, job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S,
                  conn_bytes: int | None = None):
         self.path = socket_path
         self.st = DeviceState(carveout_size, ddr_pool_size)
-        self.st.limits = Limits.for_device(raise_fd_limit(), carveout_size, conn_bytes)
+        self.st.limits = Limits.for_device(raise_fd_limit(), carveout_size, conn_bytes, ddr_pool_size)
         threads = threads or max(1, (os.cpu_count() or 1) // max(1, cores))
         self.cores = [CoreProc(i, threads) for i in range(cores)]
         self.handlers = Handlers(self.st, Cores(cores, lambda i: self.cores[i].alive_generation, self._rss),
@@ -113,8 +114,10 @@ class Service:
             sandbox.install_front(self.lsock.fileno(), sandbox.log_only())
         lim = self.st.limits
         self.log(f"listening on {self.path} with {len(self.cores)} core(s); window {self.st.window.size >> 20} MiB "
-                 f"({lim.conn_bytes >> 20} MiB per connection), DDR pool {self.st.ddr.size >> 20} MiB; limits: "
-                 f"{lim.conns} connections ({lim.conns_per_peer} per process), {lim.bufs_total} buffers "
+                 f"({lim.conn_bytes >> 20} MiB per connection, {lim.peer_bytes >> 20} MiB per process), DDR pool "
+                 f"{self.st.ddr.size >> 20} MiB ({lim.peer_ddr >> 20} MiB per process); limits: {lim.conns} "
+                 f"connections ({lim.conns_per_peer} per process), the last {lim.conns_reserved} kept for new processes, "
+                 f"{lim.bufs_total} buffers "
                  f"({lim.bufs_per_conn} per connection), fd limit {lim.nofile}")
         next_check = 0.0
         try:
@@ -661,6 +664,9 @@ class Service:
             if mine >= lim.conns_per_peer:
                 why = f"process {pid} has {mine} connections open to this device (limit {lim.conns_per_peer} " \
                       f"per process)"
+            elif mine and len(self.st.conns) >= lim.conns - lim.conns_reserved:
+                why = f"process {pid} has {mine} connections open and the device {len(self.st.conns)} of " \
+                      f"{lim.conns}: the last {lim.conns_reserved} are kept for processes with none"
         if why is not None:
             self._refuse(s, why)
             return

@@ -37,17 +37,26 @@ class Limits:
     epoll, the listening socket and transient copies."""
     conns: int = MAX_CONNS
     conns_per_peer: int = MAX_CONNS // 4  # connections of one process (SO_PEERCRED pid)
+    # The last connections are kept for processes that have none yet: five
+    # greedy processes at 128 each no longer lock a sixth out.
+    conns_reserved: int = MAX_CONNS // 8
     bufs_per_conn: int = MAX_BUFS_PER_CONN
     bufs_total: int = 4096
     conn_bytes: int = 0  # window bytes one connection may attach (0: the whole window)
+    # What all connections of one process may hold (0: no limit): 3/4 of the
+    # window and of the DDR pool, so a process cannot take the rest from
+    # another by opening a second connection or loading the same model again.
+    peer_bytes: int = 0
+    peer_ddr: int = 0
     nofile: int = 0
 
     @classmethod
-    def for_device(cls, nofile: int, window: int, conn_bytes: int | None = None) -> "Limits":
+    def for_device(cls, nofile: int, window: int, conn_bytes: int | None = None, ddr: int = 0) -> "Limits":
         conns = max(8, min(MAX_CONNS, nofile // 4))
-        return cls(conns=conns, conns_per_peer=max(2, conns // 4),
+        return cls(conns=conns, conns_per_peer=max(2, conns // 4), conns_reserved=max(1, conns // 8),
                    bufs_total=max(MAX_BUFS_PER_CONN, nofile // 2 - 64),
-                   conn_bytes=window * 3 // 4 if conn_bytes is None else conn_bytes, nofile=nofile)
+                   conn_bytes=window * 3 // 4 if conn_bytes is None else conn_bytes,
+                   peer_bytes=window * 3 // 4, peer_ddr=ddr * 3 // 4, nofile=nofile)
 
 
 class Reject(Exception):
@@ -167,6 +176,23 @@ class DeviceState:
 
     def new_id(self) -> int:
         return next(self._ids)
+
+    def peer_use(self, pid: int) -> tuple[int, int]:
+        """(window bytes, DDR bytes) that all connections of process ``pid`` hold."""
+        cids = {c.cid for c in self.conns.values() if c.pid == pid}
+        window = sum(self.conns[cid].attached for cid in cids)
+        ddr = sum(r.ddr_bytes for r in self.modules.values() if r.cid in cids)
+        ddr += sum(r.ddr_bytes for r in self.models.values() if r.cid in cids)
+        return window, ddr
+
+    def check_peer_ddr(self, conn: Conn, need: int, what: str) -> None:
+        """Reject (ERR_NOMEM, with the numbers) ``need`` more DDR bytes past the process's share."""
+        share = self.limits.peer_ddr
+        used = self.peer_use(conn.pid)[1]
+        if share and used + need > share:
+            raise Reject(S.ERR_NOMEM, f"process quota: {what} needs {need} bytes of the DDR pool; process "
+                                      f"{conn.pid} holds {used} of its {share} already (pool total {self.ddr.size})",
+                         oom_requested=need, oom_free=max(0, share - used), oom_total=share)
 
     def uptime_ms(self) -> int:
         return int((time.monotonic() - self.started) * 1000) & 0xFFFFFFFF
