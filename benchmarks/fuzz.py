@@ -242,7 +242,21 @@ def main() -> int:
     ap.add_argument("--core-channel", type=int, default=0, metavar="N",
                     help="fuzz the core->front channel instead: a real front whose fake cores write N mutated "
                          "records (tests/fuzz/core_channel.py); exit 1 on a hang, a crash or a front traceback")
+    ap.add_argument("--decoder", type=int, default=0, metavar="N",
+                    help="fuzz the front's decoder of core records in this process with N mutated records "
+                         "(tests/fuzz/core_channel.py decoder_fuzz); exit 1 on anything but BadRecord or a "
+                         "canonical record")
     a = ap.parse_args()
+    if a.decoder:
+        from tests.fuzz import core_channel
+        t0 = time.monotonic()
+        res = core_channel.decoder_fuzz(a.decoder, seed=a.seed)
+        res["seconds"] = round(time.monotonic() - t0, 1)
+        print(json.dumps(res, indent=1))
+        os.makedirs(os.path.dirname(a.out), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+        return int(bool(res["other"] or res["non_canonical"]))
     if a.core_channel:
         from tests.fuzz import core_channel
         res = core_channel.run(a.core_channel, seed=a.seed)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 import struct
 
 import pytest
 
 from dspx.device import jobs
+from tests.fuzz import core_channel
 from dspx.device.jobs import BadRecord
 
 C2F, F2C = jobs.CORE_TO_FRONT, jobs.FRONT_TO_CORE
@@ -170,49 +170,7 @@ def test_recv_closes_the_fds_of_a_bad_datagram():
 
 # ---------------------------------------------------------------- fuzz
 
-SEEDS = [jobs.encode(r) for r in (
-    jobs.Hello(0, 4242, [(0x10, "add", 5), (0x11, "mul", 0)]),
-    jobs.Done(7, 0, "", 3, {}, jobs.Loaded(1, 2, 3, (1, 1, 64, 64, 1),
-                                           jobs.ModuleSig(False, [jobs.TensorSig("x", (1, 3, 224, 224), "float32")]))),
-    jobs.Done(8, 5, "boom\n" * 20, 4, {"oom_requested": 1 << 40, "error_line": 3}, None, b"\x01" * 40),
-    jobs.Done(9, value=jobs.OpsLoaded([(0x3000, "op", 1)])),
-    jobs.Done(10, value=jobs.WeightsLoaded(3, 99)),
-    jobs.Deliver(2, b"\x02" * 64),
-)]
-
-
-def _mutate(rng: random.Random, data: bytes) -> bytes:
-    b = bytearray(data)
-    how = rng.randrange(5)
-    if how == 0:
-        for _ in range(rng.randint(1, 4)):
-            i = rng.randrange(len(b))
-            b[i] ^= 1 << rng.randrange(8)
-    elif how == 1:
-        del b[rng.randrange(len(b)):]
-    elif how == 2:
-        other = rng.choice(SEEDS)
-        b = b[:rng.randrange(len(b) + 1)] + other[rng.randrange(len(other)):]
-    elif how == 3:
-        i = rng.randrange(len(b) + 1)
-        b[i:i] = rng.randbytes(rng.randint(1, 8))
-    else:
-        i = rng.randrange(len(b))
-        b[i] = rng.choice((0, 1, 0xFF, 0x7F, 0x80))
-    return bytes(b)
-
-
 def test_fuzzed_core_records_decode_to_a_valid_record_or_bad_record():
-    rng = random.Random(31)
-    valid = bad = 0
-    for _ in range(200_000):
-        data = _mutate(rng, rng.choice(SEEDS))
-        try:
-            rec = jobs.decode(data, C2F)
-        except BadRecord:
-            bad += 1
-            continue
-        # the format is canonical: a record that decodes encodes to the same bytes
-        assert type(rec) in C2F and jobs.encode(rec) == data, data.hex()
-        valid += 1
-    assert bad > 100_000 and valid > 1000, (bad, valid)
+    got = core_channel.decoder_fuzz(200_000, seed=31)
+    assert got["other"] == 0 and got["non_canonical"] == 0, got["examples"]
+    assert got["bad"] > 100_000 and got["valid"] > 1000, got

@@ -171,3 +171,66 @@ if __name__ == "__main__":
         front(sys.argv[2:])
     else:
         print(run(int(sys.argv[1])))
+
+
+# ---------------------------------------------------------------- the decoder alone
+
+# Valid core->front records that the mutations start from.
+SEEDS = [jobs.encode(r) for r in (
+    jobs.Hello(0, 4242, [(0x10, "add", 5), (0x11, "mul", 0)]),
+    jobs.Done(7, 0, "", 3, {}, jobs.Loaded(1, 2, 3, (1, 1, 64, 64, 1),
+                                           jobs.ModuleSig(False, [jobs.TensorSig("x", (1, 3, 224, 224), "float32")]))),
+    jobs.Done(8, 5, "boom\n" * 20, 4, {"oom_requested": 1 << 40, "error_line": 3}, None, b"\x01" * 40),
+    jobs.Done(9, value=jobs.OpsLoaded([(0x3000, "op", 1)])),
+    jobs.Done(10, value=jobs.WeightsLoaded(3, 99)),
+    jobs.Deliver(2, b"\x02" * 64),
+)]
+
+
+def mutate(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    how = rng.randrange(5)
+    if how == 0:
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(b))
+            b[i] ^= 1 << rng.randrange(8)
+    elif how == 1:
+        del b[rng.randrange(len(b)):]
+    elif how == 2:
+        other = rng.choice(SEEDS)
+        b = b[:rng.randrange(len(b) + 1)] + other[rng.randrange(len(other)):]
+    elif how == 3:
+        i = rng.randrange(len(b) + 1)
+        b[i:i] = rng.randbytes(rng.randint(1, 8))
+    else:
+        i = rng.randrange(len(b))
+        b[i] = rng.choice((0, 1, 0xFF, 0x7F, 0x80))
+    return bytes(b)
+
+
+def decoder_fuzz(count: int, seed: int = 1) -> dict:
+    """Decode ``count`` mutated core->front records in this process: each must
+    be refused with BadRecord or be a valid record that encodes to the same
+    bytes (the format is canonical).  Anything else is counted in ``other``
+    (an exception that is not BadRecord) or ``non_canonical``."""
+    rng = random.Random(seed)
+    out = {"inputs": count, "valid": 0, "bad": 0, "other": 0, "non_canonical": 0, "examples": []}
+    for _ in range(count):
+        data = mutate(rng, rng.choice(SEEDS))
+        try:
+            rec = jobs.decode(data, jobs.CORE_TO_FRONT)
+        except jobs.BadRecord:
+            out["bad"] += 1
+            continue
+        except Exception as e:  # noqa: BLE001 - what the fuzz is looking for
+            out["other"] += 1
+            if len(out["examples"]) < 5:
+                out["examples"].append((data.hex(), repr(e)))
+            continue
+        if type(rec) not in jobs.CORE_TO_FRONT or jobs.encode(rec) != data:
+            out["non_canonical"] += 1
+            if len(out["examples"]) < 5:
+                out["examples"].append((data.hex(), repr(rec)[:200]))
+            continue
+        out["valid"] += 1
+    return out
