@@ -60,16 +60,20 @@ def _shim_structs(place_has_sdk: bool = True) -> str:
     return "\n".join([pthread, channels] + defines + structs)
 
 
-# Find the context as an attacker would: scan every private writable mapping
-# for its (input, output, input size, output size) fields, then break it
-# the way ATTACK_ARG says.  Returns -99 if the context was not found.
-FIND_AND_BREAK = _shim_structs() + r"""
+# The attack's first step: its own /proc/self/maps into ``maps`` (raw calls, no libc).
+READ_MAPS = r"""
 static char maps[1 << 20];
 long fd = sc(2, (long)"/proc/self/maps", 0, 0, 0, 0, 0), n = 0, r;
 if (fd < 0) return -98;
 while (n < (long)sizeof maps - 1 && (r = sc(0, fd, (long)maps + n, (long)sizeof maps - 1 - n, 0, 0, 0)) > 0) n += r;
 sc(3, fd, 0, 0, 0, 0, 0);
 maps[n] = 0;
+"""
+
+# Find the context as an attacker would: scan every private writable mapping
+# for its (input, output, input size, output size) fields, then break it
+# the way ATTACK_ARG says.  Returns -99 if the context was not found.
+FIND_AND_BREAK = _shim_structs() + READ_MAPS + r"""
 struct dspx_ctx *c = 0;
 uint64_t want[4] = {(uint64_t)input, (uint64_t)output, dspx_input_size(), dspx_output_size()};
 for (char *p = maps; *p && !c;) {
@@ -109,27 +113,39 @@ def _softmax(u: Tasks, inp, out, x: np.ndarray) -> np.ndarray:
     return np.frombuffer(out.buf.mm, np.float32, count=N).copy()
 
 
+def _bystander_softmax(bystander: Tasks):
+    """A bystander's tiled softmax of N floats, run once (so the shim's context
+    exists) and checked: (input, output, x, reference) for the runs after."""
+    data, inp, out = bystander.malloc(4 * N), bystander.malloc(64), bystander.malloc(4 * N)
+    x = 1 + np.arange(N, dtype=np.float32) / np.float32(N)
+    data.buf.mm[:4 * N] = x.tobytes()
+    inp.buf.mm[:17] = struct.pack("<i4xQB", 4 * N, data.phy, 1)
+    ref = scipy.special.softmax(x.astype(np.float64))
+    assert np.max(np.abs(_softmax(bystander, inp, out, x) - ref) / ref) <= 1e-6
+    return inp, out, x, ref
+
+
+def _restarted_then_serves(dev, before: int, bystander: Tasks, inp, out, x, ref) -> None:
+    """The core restarts for the broken runtime (one more log line than ``before``), then the bystander's softmax is right."""
+    deadline = time.monotonic() + 30
+    while dev.output().count("core 0 died (exit 76: user code broke its runtime); restarting") <= before:
+        assert time.monotonic() < deadline, dev.output()[-2000:]
+        time.sleep(0.05)
+    assert np.max(np.abs(_softmax(bystander, inp, out, x) - ref) / ref) <= 1e-6
+
+
 @attacks.needs_cc
 @pytest.mark.parametrize("mode", sorted(BROKEN))
 def test_a_handler_that_breaks_the_shim_gets_err_call_and_the_core_restarts_clean(dev, tmp_path, mode):
     with Tasks(socket=dev.path) as bystander:
-        data, inp, out = bystander.malloc(4 * N), bystander.malloc(64), bystander.malloc(4 * N)
-        x = 1 + np.arange(N, dtype=np.float32) / np.float32(N)
-        data.buf.mm[:4 * N] = x.tobytes()
-        inp.buf.mm[:17] = struct.pack("<i4xQB", 4 * N, data.phy, 1)
-        ref = scipy.special.softmax(x.astype(np.float64))
-        assert np.max(np.abs(_softmax(bystander, inp, out, x) - ref) / ref) <= 1e-6  # the context exists now
-        before = dev.output().count("user code broke its runtime")
+        inp, out, x, ref = _bystander_softmax(bystander)
+        before = dev.output().count("core 0 died (exit 76: user code broke its runtime); restarting")
 
         got = attacks.launch(dev.path, tmp_path, "handler", FIND_AND_BREAK, arg=mode)
 
         assert got.status == "ERR_CALL", got
         assert BROKEN[mode] in got.error and "the core restarts" in got.error, got
-        deadline = time.monotonic() + 30
-        while dev.output().count("core 0 died (exit 76: user code broke its runtime); restarting") <= before:
-            assert time.monotonic() < deadline, dev.output()[-2000:]
-            time.sleep(0.05)
-        assert np.max(np.abs(_softmax(bystander, inp, out, x) - ref) / ref) <= 1e-6
+        _restarted_then_serves(dev, before, bystander, inp, out, x, ref)
     assert dev.alive()
 
 
@@ -349,7 +365,7 @@ def test_a_python_op_cannot_end_the_dma_engine_for_the_next_client(dev, mode):
             i.buf.mm[:4 * n] = x.tobytes()
             ai, ao = attacker.malloc(64), attacker.malloc(64)
             ai.buf.mm[0] = mode
-            before = dev.output().count("user code broke its runtime")
+            before = dev.output().count("core 0 died (exit 76: user code broke its runtime); restarting")
             try:
                 attacker.run(0x3A01, ai, ao, core=0, timeout_ms=60_000)
                 broke = False
@@ -368,13 +384,7 @@ def test_a_python_op_cannot_end_the_dma_engine_for_the_next_client(dev, mode):
 
 # From a library's init or a module's constructor there is no task: find the
 # context by its L2 pointer and size, checked against its DMA threads' ids.
-FIND_BY_L2 = _shim_structs(place_has_sdk=False) + r"""
-static char maps[1 << 20];
-long fd = sc(2, (long)"/proc/self/maps", 0, 0, 0, 0, 0), n = 0, r;
-if (fd < 0) return -98;
-while (n < (long)sizeof maps - 1 && (r = sc(0, fd, (long)maps + n, (long)sizeof maps - 1 - n, 0, 0, 0)) > 0) n += r;
-sc(3, fd, 0, 0, 0, 0, 0);
-maps[n] = 0;
+FIND_BY_L2 = _shim_structs(place_has_sdk=False) + READ_MAPS + r"""
 int hits = 0;
 for (char *p = maps; *p;) {
     uint64_t lo = 0, hi = 0;
@@ -402,22 +412,13 @@ return hits;
 @pytest.mark.parametrize("place", ["init", "ctor"])
 def test_stopping_dma_from_an_init_or_constructor_restarts_the_core(dev, tmp_path, place):
     with Tasks(socket=dev.path) as bystander:
-        data, inp, out = bystander.malloc(4 * N), bystander.malloc(64), bystander.malloc(4 * N)
-        x = 1 + np.arange(N, dtype=np.float32) / np.float32(N)
-        data.buf.mm[:4 * N] = x.tobytes()
-        inp.buf.mm[:17] = struct.pack("<i4xQB", 4 * N, data.phy, 1)
-        ref = scipy.special.softmax(x.astype(np.float64))
-        assert np.max(np.abs(_softmax(bystander, inp, out, x) - ref) / ref) <= 1e-6  # the context exists now
-        before = dev.output().count("core 0 died (exit 76: user code broke its runtime)")
+        inp, out, x, ref = _bystander_softmax(bystander)
+        before = dev.output().count("core 0 died (exit 76: user code broke its runtime); restarting")
 
         got = attacks.launch(dev.path, tmp_path, place, FIND_BY_L2, arg=memory.L2_SIZE)
 
         assert got.status == "ERR_CALL" and "stop flag was set" in got.error, got
-        deadline = time.monotonic() + 30
-        while dev.output().count("core 0 died (exit 76: user code broke its runtime)") <= before:
-            assert time.monotonic() < deadline, dev.output()[-2000:]
-            time.sleep(0.05)
-        assert np.max(np.abs(_softmax(bystander, inp, out, x) - ref) / ref) <= 1e-6
+        _restarted_then_serves(dev, before, bystander, inp, out, x, ref)
     assert dev.alive()
 
 

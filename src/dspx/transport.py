@@ -36,6 +36,18 @@ class Timeout(TransportError, TimeoutError):
     pass
 
 
+def recv_exact(s: socket.socket, what: str, n: int) -> bytes:
+    """Exactly ``n`` bytes from stream socket ``s`` (EOFError naming ``what`` if it closes first)."""
+    chunks, got = [], 0
+    while got < n:
+        b = s.recv(min(n - got, 1 << 20))
+        if not b:
+            raise EOFError(f"{what} closed")
+        chunks.append(b)
+        got += len(b)
+    return b"".join(chunks)
+
+
 def default_socket_path() -> str:
     """``$DSPX_SOCKET``, else ``${XDG_RUNTIME_DIR:-/tmp}/dspx-<uid>/dsp0.sock``."""
     env = os.environ.get("DSPX_SOCKET")

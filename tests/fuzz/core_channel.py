@@ -33,6 +33,28 @@ from dspx.device import jobs
 SOFTMAX = 0x1402
 
 
+def mutate(rng: random.Random, data: bytes, pool) -> bytes:
+    """``data`` bit-flipped, truncated, spliced with one of ``pool``, grown or given an edge byte."""
+    b = bytearray(data)
+    how = rng.randrange(5)
+    if how == 0:
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(b))
+            b[i] ^= 1 << rng.randrange(8)
+    elif how == 1:
+        del b[rng.randrange(len(b)):]
+    elif how == 2:
+        other = rng.choice(pool)
+        b = b[:rng.randrange(len(b) + 1)] + other[rng.randrange(len(other)):]
+    elif how == 3:
+        i = rng.randrange(len(b) + 1)
+        b[i:i] = rng.randbytes(rng.randint(1, 8))
+    else:
+        i = rng.randrange(len(b))
+        b[i] = rng.choice((0, 1, 0xFF, 0x7F, 0x80))
+    return bytes(b)
+
+
 def mutated(rng: random.Random, job: int, cid: int) -> bytes:
     """One record a hostile core might write: mostly damaged, sometimes valid."""
     seeds = [jobs.encode(jobs.Done(job, int(Status.ERR_CALL), "x" * rng.randrange(40), 1, {"cycles": 3},
@@ -42,18 +64,8 @@ def mutated(rng: random.Random, job: int, cid: int) -> bytes:
              jobs.encode(jobs.Done(job + rng.randint(1, 1000), 0, response=b"F" * 16)),  # not its job
              jobs.encode(jobs.Deliver(cid + rng.randint(1, 50), b"F" * 16)),  # not its client
              pickle.dumps(jobs.Done(job))]
-    b = bytearray(rng.choice(seeds))
-    how = rng.randrange(4)
-    if how == 0:
-        for _ in range(rng.randint(1, 3)):
-            i = rng.randrange(len(b))
-            b[i] ^= 1 << rng.randrange(8)
-    elif how == 1:
-        del b[rng.randrange(1, len(b)):]
-    elif how == 2:
-        other = rng.choice(seeds)
-        b = b[:rng.randrange(len(b) + 1)] + other[rng.randrange(len(other)):]
-    return bytes(b)  # how == 3: the seed as it is
+    data = rng.choice(seeds)
+    return data if rng.randrange(4) == 0 else mutate(rng, data, seeds)  # sometimes the seed as it is
 
 
 def fake_core(argv=None) -> None:
@@ -187,27 +199,6 @@ SEEDS = [jobs.encode(r) for r in (
 )]
 
 
-def mutate(rng: random.Random, data: bytes) -> bytes:
-    b = bytearray(data)
-    how = rng.randrange(5)
-    if how == 0:
-        for _ in range(rng.randint(1, 4)):
-            i = rng.randrange(len(b))
-            b[i] ^= 1 << rng.randrange(8)
-    elif how == 1:
-        del b[rng.randrange(len(b)):]
-    elif how == 2:
-        other = rng.choice(SEEDS)
-        b = b[:rng.randrange(len(b) + 1)] + other[rng.randrange(len(other)):]
-    elif how == 3:
-        i = rng.randrange(len(b) + 1)
-        b[i:i] = rng.randbytes(rng.randint(1, 8))
-    else:
-        i = rng.randrange(len(b))
-        b[i] = rng.choice((0, 1, 0xFF, 0x7F, 0x80))
-    return bytes(b)
-
-
 def decoder_fuzz(count: int, seed: int = 1) -> dict:
     """Decode ``count`` mutated core->front records in this process: each must
     be refused with BadRecord or be a valid record that encodes to the same
@@ -216,7 +207,7 @@ def decoder_fuzz(count: int, seed: int = 1) -> dict:
     rng = random.Random(seed)
     out = {"inputs": count, "valid": 0, "bad": 0, "other": 0, "non_canonical": 0, "examples": []}
     for _ in range(count):
-        data = mutate(rng, rng.choice(SEEDS))
+        data = mutate(rng, rng.choice(SEEDS), SEEDS)
         try:
             rec = jobs.decode(data, jobs.CORE_TO_FRONT)
         except jobs.BadRecord:

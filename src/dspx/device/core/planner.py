@@ -18,19 +18,10 @@ import socket
 import struct
 import threading
 
+from ...transport import recv_exact
+
 _HEAD = struct.Struct("<BQ")  # status (0 ok, 1 error text), length
 TIMEOUT_S = 120
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        b = s.recv(min(n - got, 1 << 20))
-        if not b:
-            raise EOFError("planner channel closed")
-        chunks.append(b)
-        got += len(b)
-    return b"".join(chunks)
 
 
 class Planner:
@@ -53,8 +44,8 @@ class Planner:
         with self.lock:
             try:
                 self.sock.sendall(struct.pack("<Q", len(model)) + model)
-                status, n = _HEAD.unpack(_recv_exact(self.sock, _HEAD.size))
-                data = _recv_exact(self.sock, n)
+                status, n = _HEAD.unpack(recv_exact(self.sock, "planner channel", _HEAD.size))
+                data = recv_exact(self.sock, "planner channel", n)
             except (OSError, EOFError) as e:
                 raise RuntimeError(f"the core's planner process did not answer ({e})") from None
         if status:
@@ -75,8 +66,8 @@ def _serve(s: socket.socket) -> None:
     from . import kernels
     while True:
         try:
-            (n,) = struct.unpack("<Q", _recv_exact(s, 8))
-            model = _recv_exact(s, n)
+            (n,) = struct.unpack("<Q", recv_exact(s, "planner channel", 8))
+            model = recv_exact(s, "planner channel", n)
         except EOFError:
             return
         try:

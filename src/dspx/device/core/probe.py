@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ...transport import recv_exact
 from . import sandbox
 
 
@@ -119,17 +120,6 @@ EXIT_INTERRUPTED = 75  # as worker.EXIT_TORN_IMPORT: the core ended itself to re
 ANSWER_SLACK_S = 30  # on top of the probe's own limit: the zygote answers within timeout + 5 s
 
 
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        b = s.recv(min(n - got, 1 << 20))
-        if not b:
-            raise EOFError("probe zygote channel closed")
-        chunks.append(b)
-        got += len(b)
-    return b"".join(chunks)
-
-
 class Zygote:
     """The core's side: ``module`` and ``library`` send a probe request and
     return its Outcome.  ``confine`` runs in the zygote before it serves
@@ -159,7 +149,8 @@ class Zygote:
                 else:
                     self.sock.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
                 self.sock.sendall(payload)
-                hung, sig, code, returned = _ANSWER.unpack(_recv_exact(self.sock, _ANSWER.size))
+                answer = recv_exact(self.sock, "probe zygote channel", _ANSWER.size)
+                hung, sig, code, returned = _ANSWER.unpack(answer)
             except (OSError, EOFError) as e:
                 raise RuntimeError(f"the core's probe process did not answer ({e})") from None
             except BaseException:
@@ -218,9 +209,9 @@ def _serve(s: socket.socket, confine: Callable[[], None]) -> None:
             msg, anc, _, _ = s.recvmsg(_REQUEST.size, socket.CMSG_SPACE(4))
             if not msg:
                 return
-            msg += _recv_exact(s, _REQUEST.size - len(msg))
+            msg += recv_exact(s, "probe zygote channel", _REQUEST.size - len(msg))
             kind, timeout_s, ddr_free, n = _REQUEST.unpack(msg)
-            payload = _recv_exact(s, n)
+            payload = recv_exact(s, "probe zygote channel", n)
         except EOFError:
             return
         fds = [struct.unpack("i", data[:4])[0] for level, typ, data in anc
