@@ -174,3 +174,27 @@ def test_fuzzed_core_records_decode_to_a_valid_record_or_bad_record():
     got = core_channel.decoder_fuzz(200_000, seed=31)
     assert got["other"] == 0 and got["non_canonical"] == 0, got["examples"]
     assert got["bad"] > 100_000 and got["valid"] > 1000, got
+
+
+def test_no_code_in_the_package_can_unpickle():
+    """What made the front run a core's code: no module of dspx imports a
+    deserializer that can name code (pickle, marshal, shelve, dill) or asks
+    numpy to unpickle."""
+    import ast
+    from pathlib import Path
+
+    import dspx
+    found = []
+    for path in Path(dspx.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module.split(".")[0]]
+            found += [f"{path.name}: import {n}" for n in names if n in ("pickle", "_pickle", "marshal", "shelve",
+                                                                          "dill", "cloudpickle")]
+            if isinstance(node, ast.keyword) and node.arg == "allow_pickle" and not (
+                    isinstance(node.value, ast.Constant) and node.value.value is False):
+                found.append(f"{path.name}: allow_pickle={ast.unparse(node.value)}")
+    assert found == []
