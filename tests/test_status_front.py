@@ -272,10 +272,27 @@ def test_weights_refused_by_the_core_keep_the_status(front):
 
 
 def _per_core(actions) -> list:
-    """An op library loads on every core at once: one job per core."""
+    """An op library loads on core 0 first: the one job submitted now."""
     subs = [a.job for a in actions if isinstance(a, Submit)]
-    assert [j.core for j in subs] == list(range(len(subs))) and all(j.conn is None for j in subs)
+    assert [j.core for j in subs] == [0] and all(j.conn is None for j in subs)
     return subs
+
+
+def _rest(actions) -> list:
+    """The jobs for the other cores, submitted once core 0 took the library."""
+    subs = [a.job for a in actions if isinstance(a, Submit)]
+    assert [j.core for j in subs] == list(range(1, 1 + len(subs))) and subs and all(j.conn is None for j in subs)
+    return subs
+
+
+def _load_everywhere(actions, ops) -> tuple[list, list]:
+    """Every core takes the library with ``ops``: (the jobs in order, the last one's actions)."""
+    (j0,) = _per_core(actions)
+    done = lambda j: j.on_done(jobs.Done(j.rec.job, value=jobs.OpsLoaded(ops)))  # noqa: E731
+    rest = _rest(done(j0))
+    for j in rest:
+        last = done(j)
+    return [j0, *rest], last
 
 
 def _answer(actions):
@@ -285,8 +302,8 @@ def _answer(actions):
 
 def test_an_op_library_refused_by_a_core_answers_its_error_line(front):
     base = front.attach(4096)
-    j0, j1 = _per_core(front(P.OpsLoad(src_dsp_addr=base, src_size=16)))
-    assert j0.on_done(jobs.Done(j0.rec.job, value=jobs.OpsLoaded([(0x3001, "spin", 5)]))) == []
+    (j0,) = _per_core(front(P.OpsLoad(src_dsp_addr=base, src_size=16)))
+    (j1,) = _rest(j0.on_done(jobs.Done(j0.rec.job, value=jobs.OpsLoaded([(0x3001, "spin", 5)]))))
     actions = j1.on_done(jobs.Done(j1.rec.job, S.ERR_LOAD, "syntax", numbers={"error_line": 3}))
     r = _answer(actions)
     assert (r.status, r.error_line) == (S.ERR_LOAD, 3)
@@ -296,9 +313,7 @@ def test_an_op_library_refused_by_a_core_answers_its_error_line(front):
 
 def test_an_op_library_is_installed_once_every_core_took_it(front):
     base = front.attach(4096)
-    jobs_ = _per_core(front(P.OpsLoad(seq=8, src_dsp_addr=base, src_size=16)))
-    for j in jobs_:
-        actions = j.on_done(jobs.Done(j.rec.job, value=jobs.OpsLoaded([(0x3001, "spin", 5)])))
+    _, actions = _load_everywhere(front(P.OpsLoad(seq=8, src_dsp_addr=base, src_size=16)), [(0x3001, "spin", 5)])
     r = _answer(actions)
     assert (r.status, r.num_ops, r.seq) == (0, 1, 8)
     assert front.st.op_table[0x3001] == ("spin", 5, r.lib_handle)
@@ -786,12 +801,10 @@ def test_dyn_unload_of_an_op_library_answers_the_request(front):
 def test_a_loaded_op_library_keeps_its_source_for_cores_that_restart(front):
     base = front.attach(4096)
     front.conn.bufs[base].region.mm[:16] = b"# op library 16\n"
-    per_core = _per_core(front(P.OpsLoad(src_dsp_addr=base, src_size=16)))
+    per_core, actions = _load_everywhere(front(P.OpsLoad(src_dsp_addr=base, src_size=16)), [])
     handle = per_core[0].rec.handle
     assert handle > 0 and all((j.rec.handle, j.rec.filename, j.rec.source) == (handle, "<oplib>", b"# op library 16\n")
                               for j in per_core)
-    for j in per_core:
-        actions = j.on_done(jobs.Done(j.rec.job, value=jobs.OpsLoaded([])))
     r = _answer(actions)
     assert r.lib_handle == handle
     assert front.st.op_sources[handle] == (b"# op library 16\n", "<oplib>")
@@ -976,10 +989,9 @@ def test_dropping_a_module_or_model_twice_is_harmless(front):
 def test_an_op_library_from_staging_answers_with_a_dyn_load_response(front):
     st = _staged_front(front).conn.staging
     st.region.mm[:6] = b"x = 1\n"
-    per_core = _per_core(front(P.DynLoad(seq=31, elf_size=6, flags=P.DYN_LOAD_OP_LIBRARY)))
+    per_core, actions = _load_everywhere(front(P.DynLoad(seq=31, elf_size=6, flags=P.DYN_LOAD_OP_LIBRARY)),
+                                         [(0x3005, "x", 0)])
     assert all(j.bufs == [] and j.run_limit_s == Handlers.OPS_LOAD_LIMIT_S for j in per_core)
-    for j in per_core:
-        actions = j.on_done(jobs.Done(j.rec.job, value=jobs.OpsLoaded([(0x3005, "x", 0)])))
     (to,) = [a for a in actions if type(a).__name__ == "_To"]
     r = to.msg
     assert to.conn is front.conn and isinstance(r, P.DynLoadResp)
@@ -989,8 +1001,8 @@ def test_an_op_library_from_staging_answers_with_a_dyn_load_response(front):
 
 def test_an_op_library_one_core_refused_is_unloaded_by_handle_where_it_loaded(front):
     base = front.attach(4096)
-    j0, j1 = _per_core(front(P.OpsLoad(seq=4, src_dsp_addr=base, src_size=16)))
-    j0.on_done(jobs.Done(j0.rec.job, value=jobs.OpsLoaded([])))
+    (j0,) = _per_core(front(P.OpsLoad(seq=4, src_dsp_addr=base, src_size=16)))
+    (j1,) = _rest(j0.on_done(jobs.Done(j0.rec.job, value=jobs.OpsLoaded([]))))
     actions = j1.on_done(jobs.Done(j1.rec.job, S.ERR_LOAD, "bad"))
     (undo,) = [a for a in actions if isinstance(a, Notify)]
     assert isinstance(undo.rec, jobs.UnloadOps) and undo.rec.handle == j0.rec.handle
@@ -1074,7 +1086,7 @@ def test_dyn_load_refusal_texts(front):
 
 def test_an_op_library_from_staging_is_named_staging(front):
     front.attach(MiB, staging=True)
-    (j0, _) = _per_core(front(P.DynLoad(elf_size=6, flags=P.DYN_LOAD_OP_LIBRARY)))
+    (j0,) = _per_core(front(P.DynLoad(elf_size=6, flags=P.DYN_LOAD_OP_LIBRARY)))
     assert j0.rec.filename == "<staging>"
 
 
