@@ -42,12 +42,14 @@ def dev():
 
 
 def test_two_connections_of_one_process_cannot_take_more_than_its_window_share(dev):
-    """48 MiB of the 64 MiB window per process: before, each connection had
-    48 MiB, two took the whole window and another process's default client
-    could not attach its 64 KiB printf ring."""
+    """48 MiB of the 64 MiB window per process while another process is
+    connected: before, each connection had 48 MiB, two took the whole window
+    and another process's default client could not attach its 64 KiB printf ring."""
     a = Client(dev.path, staging_size=0, printf_size=0, timeout=30)
     b = Client(dev.path, staging_size=0, printf_size=0, timeout=30)
+    other = _holder(dev.path, 1)
     try:
+        assert _until_held(other)[0] == 1
         a.alloc(32 * MiB)
         with pytest.raises(OutOfMemory) as e:
             b.alloc(32 * MiB)
@@ -59,12 +61,25 @@ def test_two_connections_of_one_process_cannot_take_more_than_its_window_share(d
                                  f"print(c.ping()['version'], c.alloc(8 << 20).size)")  # a default client
         assert got == f"3.0.0 {8 * MiB}"
     finally:
+        other.stdin.close()
+        other.wait(30)
         a.close()
         b.close()
 
 
+def test_a_process_alone_on_the_device_may_use_all_of_it(dev):
+    """The shares bind while another process is connected: alone, two
+    connections take 32 + 24 MiB of the 64 MiB window (past the 48 MiB share)."""
+    with Client(dev.path, staging_size=0, printf_size=0, timeout=30) as a, \
+            Client(dev.path, staging_size=0, printf_size=0, timeout=30) as b:
+        a.alloc(32 * MiB)
+        assert b.alloc(24 * MiB).size == 24 * MiB
+
+
 def test_loading_the_same_module_again_and_again_stops_at_the_process_ddr_share(dev, compiled):
     elf = (compiled("multi_output") / "model.so").read_bytes()
+    other = _holder(dev.path, 1)  # another process is connected: the share binds
+    assert _until_held(other)[0] == 1
     with Client(dev.path, staging_size=1 * MiB, timeout=60) as c:
         first = c.load_module(elf)
         one = c.pools()["ddr_used"]
@@ -86,16 +101,30 @@ def test_loading_the_same_module_again_and_again_stops_at_the_process_ddr_share(
                                  f".read_bytes()).handle > 0)")
         assert got == "True"
         c.unload_module(first.handle)
+    other.stdin.close()
+    other.wait(30)
 
 
 def _holder(path: str, n: int) -> subprocess.Popen:
-    """A process that opens ``n`` connections, says how many it got, and holds them until stdin closes."""
-    code = ("import socket, sys\nfrom dspx.host.client import Client\nfrom dspx.errors import DeviceError\n"
-            f"held = []\nfor _ in range({n}):\n"
-            f"    try:\n        held.append(Client({path!r}, staging_size=0, printf_size=0, timeout=30))\n"
-            "    except DeviceError as e:\n        print('refused', str(e).replace(chr(10), ' '), flush=True)\n"
-            "        break\n"
-            "print('held', len(held), flush=True)\nsys.stdin.read()\n")
+    """A process that opens ``n`` raw connections (each PINGed: a refused one
+    answers ERR_BUSY), says how many it got, and holds them until stdin closes."""
+    code = f"""
+import socket, struct, sys
+held = []
+for seq in range(1, {n} + 1):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(30)
+    s.connect({path!r})
+    s.send(struct.pack("<IIIi", 1, seq, 16, 0))  # PING
+    status = struct.unpack_from("<IIIi", s.recv(64))[3]
+    if status != 0:
+        s.send(struct.pack("<IIIi", 0x60, 99, 16, 0))  # GET_ERROR: which limit
+        print("refused", s.recv(4096)[24:].decode(errors="replace").replace(chr(10), " "), flush=True)
+        break
+    held.append(s)
+print("held", len(held), flush=True)
+sys.stdin.read()
+"""
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 

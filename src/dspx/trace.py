@@ -309,8 +309,8 @@ def install_core(index: int) -> None:
 
     _start(path, f"device core {index}", 2 + index, f"core {index}")
     W = worker.CoreWorker
-    _wrap(W, "call", lambda self, rec: "call job", "core", top=True,
-          args=lambda self, rec: {"job": rec.job, "seq": rec.seq})
+    _wrap(W, "call", lambda self, rec, *_: "call job", "core", top=True,
+          args=lambda self, rec, *_: {"job": rec.job, "seq": rec.seq})
     _wrap(W, "handle", lambda self, rec: f"job {type(rec).__name__}", "core", top=True)
     _wrap(rpc.Prepared, "run", lambda self, ops: f"op 0x{self.spec.cmd:04x}", "core")
     D = runtime.DmaEngine

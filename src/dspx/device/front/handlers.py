@@ -218,10 +218,11 @@ class Handlers:
                                       f"{lim.conn_bytes} attached by this connection already "
                                       f"(free {lim.conn_bytes - conn.attached}; window total {self.st.window.size})")
         peer = self.st.peer_use(conn.pid)[0]
-        if lim.peer_bytes and peer + req.size > lim.peer_bytes:
+        if lim.peer_bytes and peer + req.size > lim.peer_bytes and self.st.contended(conn.pid):
             raise Reject(S.ERR_NOMEM, f"process quota: {req.size} bytes requested, {peer} of {lim.peer_bytes} "
-                                      f"attached by process {conn.pid}'s connections already (free "
-                                      f"{lim.peer_bytes - peer}; window total {self.st.window.size})")
+                                      f"attached by process {conn.pid}'s connections already, with other "
+                                      f"processes connected (free {lim.peer_bytes - peer}; window total "
+                                      f"{self.st.window.size})")
         fd = fds[0]
         try:
             view = memory.open_attached(fd, req.size)

@@ -43,9 +43,11 @@ class Limits:
     bufs_per_conn: int = MAX_BUFS_PER_CONN
     bufs_total: int = 4096
     conn_bytes: int = 0  # window bytes one connection may attach (0: the whole window)
-    # What all connections of one process may hold (0: no limit): 3/4 of the
-    # window and of the DDR pool, so a process cannot take the rest from
-    # another by opening a second connection or loading the same model again.
+    # What all connections of one process may hold while another process is
+    # connected (0: no limit): 3/4 of the window and of the DDR pool, so a
+    # process cannot take the rest from another by opening a second
+    # connection or loading the same model again.  A process alone on the
+    # device may use all of it (one large model on a small device).
     peer_bytes: int = 0
     peer_ddr: int = 0
     nofile: int = 0
@@ -177,6 +179,10 @@ class DeviceState:
     def new_id(self) -> int:
         return next(self._ids)
 
+    def contended(self, pid: int) -> bool:
+        """Whether a process other than ``pid`` is connected: the per-process shares bind then."""
+        return any(c.pid != pid for c in self.conns.values())
+
     def peer_use(self, pid: int) -> tuple[int, int]:
         """(window bytes, DDR bytes) that all connections of process ``pid`` hold."""
         cids = {c.cid for c in self.conns.values() if c.pid == pid}
@@ -188,10 +194,13 @@ class DeviceState:
     def check_peer_ddr(self, conn: Conn, need: int, what: str) -> None:
         """Reject (ERR_NOMEM, with the numbers) ``need`` more DDR bytes past the process's share."""
         share = self.limits.peer_ddr
+        if not share or not self.contended(conn.pid):
+            return
         used = self.peer_use(conn.pid)[1]
-        if share and used + need > share:
+        if used + need > share:
             raise Reject(S.ERR_NOMEM, f"process quota: {what} needs {need} bytes of the DDR pool; process "
-                                      f"{conn.pid} holds {used} of its {share} already (pool total {self.ddr.size})",
+                                      f"{conn.pid} holds {used} of its {share} already, with other processes "
+                                      f"connected (pool total {self.ddr.size})",
                          oom_requested=need, oom_free=max(0, share - used), oom_total=share)
 
     def uptime_ms(self) -> int:
