@@ -407,17 +407,18 @@ class CoreWorker:
             log.warning("capabilities not dropped (%s)", e)
         self.planner = planner.Planner()
         status = self.status
+        readable = _read_paths()  # before any import runs under the filters: sys.path as it is now
 
         def confine_zygote():
             status.close()  # the front's status page is no business of a probe
             sys.dont_write_bytecode = True
-            sandbox.landlock(_read_paths())
+            sandbox.landlock(readable)
             sandbox.install_zygote()
         probe.zygote = probe.Zygote(confine_zygote)
         sys.dont_write_bytecode = True  # imports after this read .pyc files, never write them
         try:
-            abi = sandbox.landlock(_read_paths())
-            in_force.append(f"Landlock ABI {abi} (reads beneath {len(_read_paths())} trees, no writes, "
+            abi = sandbox.landlock(readable)
+            in_force.append(f"Landlock ABI {abi} (reads beneath {len(readable)} trees, no writes, "
                             f"no signals outside)" if abi else "no Landlock (the kernel has none)")
         except OSError as e:
             log.warning("Landlock not applied (%s)", e)
@@ -460,7 +461,7 @@ class CoreWorker:
                 continue
             if failed is not None:
                 if rec.job:
-                    status = getattr(failed, "status", Status.ERR_GENERIC)
+                    status = _status_of(failed)
                     self.reply(jobs.Done(rec.job, int(status), clip(f"{type(failed).__name__}: {failed}"
                                                                     if status == Status.ERR_GENERIC else str(failed))))
                 continue
