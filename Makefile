@@ -25,6 +25,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache  # the layers of docs/architecture.md ([tool.importlinter] in pyproject.toml)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
