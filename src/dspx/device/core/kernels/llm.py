@@ -55,8 +55,6 @@ def dequant(kind: str, q: np.ndarray, scales: np.ndarray, mins: np.ndarray | Non
 # llama.cpp does for its dot products): ~0.5 % of the output's magnitude, 3-10x
 # faster than exact. configure_gemv(exact=True) dequantizes once to float32
 # instead (exact, 4-8x the weight memory): state.gemv_exact.
-
-
 def configure_gemv(exact: bool) -> None:
     """Choose exact (float32 dequantized once) or fast (int8 activations) quantized GEMV."""
     state.gemv_exact = bool(exact)
