@@ -82,11 +82,11 @@ class blas_threads:
 
     def __enter__(self):
         from dspx.device.core import kernels as K
-        K._set_blas_threads(self.n)
+        K.backends.set_blas_threads(self.n)
 
     def __exit__(self, *exc):
         from dspx.device.core import kernels as K
-        K._set_blas_threads(1 if K.backend() != "numpy" else self.n)
+        K.backends.set_blas_threads(1 if K.backend() != "numpy" else self.n)
 
 
 def blocked_ms(fns: dict, runs: int, threads: dict, block: int = 10) -> dict:
@@ -139,14 +139,14 @@ def bench_kernels(runs: int, threads: int) -> list[dict]:
         tx, tw, tb, to = T(x), T(w), T(b), T(np.zeros((1, o, ho, ho), np.float32))
         add("conv2d", f"{c}x{hw}x{hw}->{o} k{k} s{s} g{g} +relu",
             lambda: conv(tx, tw, tb, (s, s), (p, p, p, p), (1, 1), g, 0, 1, to),
-            lambda: np.maximum(K._conv_numpy(x, w, b, (s, s), (p, p, p, p), (1, 1), g), 0))
+            lambda: np.maximum(K.conv.conv_numpy(x, w, b, (s, s), (p, p, p, p), (1, 1), g), 0))
 
     pool = tvm.get_global_func("dspx.kernels.max_pool2d")
     x = r(1, 64, 112, 112)
     tx, to = T(x), T(np.zeros((1, 64, 56, 56), np.float32))
     add("max_pool2d", "64x112x112 k3 s2",
         lambda: pool(tx, (3, 3), (2, 2), (1, 1, 1, 1), (1, 1), 0, 0, to),
-        lambda: K._pool_numpy(x, "max", (3, 3), (2, 2), (1, 1, 1, 1), (1, 1), False, False))
+        lambda: K.pool.pool_numpy(x, "max", (3, 3), (2, 2), (1, 1, 1, 1), (1, 1), False, False))
 
     dense = tvm.get_global_func("dspx.kernels.dense")
     for n, kk in [(1000, 512), (576, 576), (1536, 576), (49152, 576)]:
@@ -165,7 +165,7 @@ def bench_kernels(runs: int, threads: int) -> list[dict]:
             else:
                 q = rng.integers(0, 256, (n, kk // 2), dtype=np.uint8)
             s = (rng.random((n, kk // 32)) * 0.02).astype(np.float32)
-            wf = np.ascontiguousarray(K._dequant(kind, q, s, None, 32))  # (K, N)
+            wf = np.ascontiguousarray(K.llm.dequant(kind, q, s, None, 32))  # (K, N)
             tx, tq, ts_, to = T(x), T(q), T(s), T(np.zeros((1, n), np.float32))
             add("gemv_" + kind, f"1x{kk} @ {n}x{kk} block 32", lambda: f(tx, tq, ts_, 32, to),
                 lambda: x @ wf, "numpy: float32 weights already dequantized")

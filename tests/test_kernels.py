@@ -449,8 +449,8 @@ def test_clear_caches(backend):
 
 
 def test_without_torch_falls_back_to_numpy(monkeypatch):
-    monkeypatch.setattr(K, "_torch", None)
-    monkeypatch.setattr(K, "_torch_checked", True)
+    monkeypatch.setattr(K.backends.state, "torch", None)
+    monkeypatch.setattr(K.backends.state, "torch_checked", True)
     K.configure_backend("torch")
     try:
         assert K.backend() == "numpy"
@@ -482,7 +482,7 @@ def test_call_site_replay_follows_data_and_weight_changes():
     attrs = ((1, 1), (1, 1, 1, 1), (1, 1), 1, 0, 0)
     for _ in range(3):
         f(tx, tw, tb, *attrs, out)
-    assert len(K._sites) == 1
+    assert len(K.registry.sites) == 1
     np.testing.assert_allclose(out.numpy(), ref_conv(x, w, b, (1, 1), (1, 1, 1, 1), (1, 1), 1),
                                atol=1e-4)
     x2 = rand(1, 16, 8, 8)
@@ -496,4 +496,4 @@ def test_call_site_replay_follows_data_and_weight_changes():
     np.testing.assert_allclose(out.numpy(), ref_conv(x2, w2, b, (1, 1), (1, 1, 1, 1), (1, 1), 1),
                                atol=1e-4)
     K.clear_caches()
-    assert not K._sites
+    assert not K.registry.sites

@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from dspx.compiler.checks import CompileError
 from dspx.compiler.quantize import load_calibration, qparams
 from dspx.device.core import kernels as K
-from dspx.device.core import q8_kernels as Q8
+from dspx.device.core.kernels import q8 as Q8
 from dspx.host.vm import VirtualMachine
 
 from conftest import _compiler_digest
@@ -105,7 +105,7 @@ def test_int8_kernels_match_numpy_arithmetic():
     ws = rng.uniform(5e-4, 1e-3, 32).astype(np.float32)
     b = (rng.standard_normal(32) * 0.1).astype(np.float32)
     xs, xz = qparams(x.min(), x.max())
-    conv = K._conv_numpy(_dq(x, xs, xz), w.astype(np.float32) * ws[:, None, None, None], b,
+    conv = K.conv.conv_numpy(_dq(x, xs, xz), w.astype(np.float32) * ws[:, None, None, None], b,
                          [2, 2], [1, 1, 1, 1], [1, 1], 1)
     ys, yz = qparams(conv.min(), conv.max())
     out = np.empty(conv.shape, np.float32)
@@ -122,7 +122,7 @@ def test_int8_kernels_match_numpy_arithmetic():
     # depthwise (groups = channels), as in ShuffleNet / MobileNet
     wg = rng.integers(-127, 128, (16, 1, 3, 3)).astype(np.int8)
     gs = rng.uniform(5e-3, 1e-2, 16).astype(np.float32)
-    dw = K._conv_numpy(_dq(x, xs, xz), wg.astype(np.float32) * gs[:, None, None, None], b[:16],
+    dw = K.conv.conv_numpy(_dq(x, xs, xz), wg.astype(np.float32) * gs[:, None, None, None], b[:16],
                        [1, 1], [1, 1, 1, 1], [1, 1], 16)
     ds_, dz_ = qparams(dw.min(), dw.max())
     og = np.empty(dw.shape, np.float32)
@@ -154,7 +154,7 @@ def test_int8_kernels_numpy_fallback_matches_onnxruntime(weights, monkeypatch):
     forces the other path, so both are checked on a VNNI machine (the int8 one
     saturates without VNNI: ~27 quanta off on an AVX2-only EPYC)."""
     if weights == "uint8":
-        monkeypatch.setattr(Q8, "_exact_u8s8", lambda: False)
+        monkeypatch.setattr(Q8, "exact_u8s8", lambda: False)
     rng = np.random.default_rng(4 if weights == "uint8" else 5)  # other weights: no cached session of the other path
     x = rng.standard_normal((1, 16, 8, 8)).astype(np.float32)
     w = rng.integers(-127, 128, (16, 16, 3, 3)).astype(np.int8)

@@ -193,7 +193,7 @@ def test_one_session_per_graph_and_weights_whatever_the_data():
         fn(g, tvm.runtime.tensor(x), w, b, o1, o2)
         np.testing.assert_allclose(o2.numpy(), np.maximum(ref_conv(x, w.numpy(), b.numpy(), (1, 1), (1, 1, 1, 1),
                                                                     (1, 1), 1), 0) + x, atol=1e-4, rtol=0)
-    assert sum(isinstance(v[1], K._Subgraph) for v in K._cache.values()) == 1
+    assert sum(isinstance(v[1], K.subgraph.Subgraph) for v in K.caches.weights.values()) == 1
     K.clear_caches()
 
 

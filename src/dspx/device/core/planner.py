@@ -2,7 +2,7 @@
 the one step of the kernel library that needs the file system.
 
 onnxruntime hands back a graph it optimized (the NCHWc layout plans of
-``kernels._nchwc_plan``) only by writing it to a file
+``kernels.backends.nchwc_plan``) only by writing it to a file
 (``SessionOptions.optimized_model_filepath``).  A core under its filter
 creates no files, so it sends the one-op model here and gets the optimized
 bytes back; the planner writes them in a private temporary directory and
@@ -40,7 +40,8 @@ class Planner:
         self.lock = threading.Lock()
 
     def optimize(self, model: bytes) -> bytes:
-        """What ``kernels.optimize_model`` returns, computed in the planner."""
+        """What ``kernels.optimize_model`` returns, computed in the planner (the
+        core hands this to ``kernels.configure``)."""
         with self.lock:
             try:
                 self.sock.sendall(struct.pack("<Q", len(model)) + model)

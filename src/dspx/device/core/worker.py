@@ -107,7 +107,7 @@ class CoreWorker:
         if not hasattr(self, "_kernels"):
             from . import kernels
             if self.planner is not None:
-                kernels.optimize_model = self.planner.optimize
+                kernels.configure(optimize=self.planner.optimize)
             kernels.configure_threads(self.threads or os.cpu_count() or 1)
             kernels.register_all()
             self._kernels = kernels.names()

@@ -1,12 +1,9 @@
 """The firmware's LLM kernels: quantized GEMV, RMSNorm, SiLU-gate, RoPE,
 decode attention and the KV update.
 
-Split from kernels.py (which imports this module at its end, so these are in
-the same ``KERNELS`` registry, ABI check and ``register_all``); the shared
-machinery (``_kernel``, ``_np``, the weight cache, onnxruntime session
-options) stays there.  The SmolLM2 device model does not call these: its
-kernels are scheduled TIR inside the modules (docs/llm.md); these serve
-modules compiled from ONNX graphs that use the ops.
+The SmolLM2 device model does not call these: its kernels are scheduled TIR
+inside the modules (docs/llm.md); these serve modules compiled from ONNX
+graphs that use the ops.
 """
 
 from __future__ import annotations
@@ -15,8 +12,10 @@ import logging
 
 import numpy as np
 
-from ...abi.kernels import ROPE_HALF
-from .kernels import KernelError, _cached, _kernel, _np, _other_caches, clear_caches, ort_session_options
+from ....abi.kernels import ROPE_HALF
+from .backends import ort_session_options, state
+from .caches import cached, clear_caches, new_cache
+from .registry import KernelError, as_numpy, kernel
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +35,8 @@ def _unpack4(q: np.ndarray) -> np.ndarray:
     return out
 
 
-def _dequant(kind: str, q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
-             block: int) -> np.ndarray:
+def dequant(kind: str, q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None,
+            block: int) -> np.ndarray:
     if kind == "q8":
         n, k = q.shape
         vals = q.astype(np.float32)
@@ -55,14 +54,10 @@ def _dequant(kind: str, q: np.ndarray, scales: np.ndarray, mins: np.ndarray | No
 # MatMulNBits accuracy_level=4 quantizes the activation to int8 per block (as
 # llama.cpp does for its dot products): ~0.5 % of the output's magnitude, 3-10x
 # faster than exact. configure_gemv(exact=True) dequantizes once to float32
-# instead (exact, 4-8x the weight memory).
-_gemv_exact = False
-
-
+# instead (exact, 4-8x the weight memory): state.gemv_exact.
 def configure_gemv(exact: bool) -> None:
     """Choose exact (float32 dequantized once) or fast (int8 activations) quantized GEMV."""
-    global _gemv_exact
-    _gemv_exact = bool(exact)
+    state.gemv_exact = bool(exact)
     clear_caches()
 
 
@@ -75,7 +70,7 @@ def _ort_session(kind: str, q, scales, block: int, n: int, k: int):
         return None
     bits = 8 if kind == "q8" else 4
     # q4_1's float zero points take a slow exact path in ORT (2.6 ms vs 45 us)
-    if _gemv_exact or kind == "q4_1" or block < 16 or block & (block - 1) or k % block:
+    if state.gemv_exact or kind == "q4_1" or block < 16 or block & (block - 1) or k % block:
         return None
     nb = k // block
     if kind == "q8":
@@ -107,7 +102,7 @@ def _ort_session(kind: str, q, scales, block: int, n: int, k: int):
 class _QGemv:
     def __init__(self, kind, q, scales, mins, block, n, k):
         self.sess = _ort_session(kind, q, scales, block, n, k) if mins is None else None
-        self.w = None if self.sess is not None else _dequant(kind, q, scales, mins, block)
+        self.w = None if self.sess is not None else dequant(kind, q, scales, mins, block)
 
     def __call__(self, x2: np.ndarray, o2: np.ndarray) -> None:
         if self.sess is not None:
@@ -117,8 +112,8 @@ class _QGemv:
 
 
 def _qgemv(kind, data, qweight, scales, mins, block, out):
-    x, q, s, o = _np(data), _np(qweight), _np(scales), _np(out)
-    m = _np(mins) if mins is not None else None
+    x, q, s, o = as_numpy(data), as_numpy(qweight), as_numpy(scales), as_numpy(out)
+    m = as_numpy(mins) if mins is not None else None
     block = int(block)
     n = q.shape[0]
     k = q.shape[1] * (1 if kind == "q8" else 2)
@@ -127,43 +122,43 @@ def _qgemv(kind, data, qweight, scales, mins, block, out):
                           f"block {block} are inconsistent")
     if o.shape[-1] != n:
         raise KernelError(f"gemv_{kind}: out {o.shape} must end in N={n}")
-    op = _cached(q, (kind, block, s.ctypes.data),
-                 lambda: _QGemv(kind, q, s, m, block, n, k))
+    op = cached(q, (kind, block, s.ctypes.data),
+                lambda: _QGemv(kind, q, s, m, block, n, k))
     x2 = np.ascontiguousarray(x.reshape(-1, k), dtype=np.float32)
     op(x2, o.reshape(-1, n))
 
 
-@_kernel("gemv_q8", "onnxruntime MatMulNBits | numpy")
+@kernel("gemv_q8", "onnxruntime MatMulNBits | numpy")
 def gemv_q8(data, qweight, scales, block, out):
     """out = data @ dequant(W)^T with int8 W (N, K), scales (N, K/block) (block=K: per row)."""
     _qgemv("q8", data, qweight, scales, None, block, out)
 
 
-@_kernel("gemv_q4", "onnxruntime MatMulNBits | numpy")
+@kernel("gemv_q4", "onnxruntime MatMulNBits | numpy")
 def gemv_q4(data, qweight, scales, block, out):
     """4-bit blocks, w = (q - 8) * scale; qweight uint8 (N, K/2) low nibble first."""
     _qgemv("q4", data, qweight, scales, None, block, out)
 
 
-@_kernel("gemv_q4_1", "onnxruntime MatMulNBits | numpy")
+@kernel("gemv_q4_1", "onnxruntime MatMulNBits | numpy")
 def gemv_q4_1(data, qweight, scales, mins, block, out):
     """4-bit blocks with a minimum, w = q * scale + min (Q4_1-like)."""
     _qgemv("q4_1", data, qweight, scales, mins, block, out)
 
 
-@_kernel("rmsnorm", "numpy")
+@kernel("rmsnorm", "numpy")
 def rmsnorm(data, weight, eps, out):
     """out = data / sqrt(mean(data^2, last axis) + eps) * weight."""
-    x, w, o = _np(data), _np(weight), _np(out)
+    x, w, o = as_numpy(data), as_numpy(weight), as_numpy(out)
     ms = np.einsum("...i,...i->...", x, x)[..., None] / np.float32(x.shape[-1])
     np.multiply(x, 1.0 / np.sqrt(ms + np.float32(eps)), out=o)
     o *= w
 
 
-@_kernel("silu_mul", "numpy")
+@kernel("silu_mul", "numpy")
 def silu_mul(gate, up, out):
     """out = silu(gate) * up = gate * sigmoid(gate) * up (the SwiGLU MLP middle)."""
-    g, u, o = _np(gate), _np(up), _np(out)
+    g, u, o = as_numpy(gate), as_numpy(up), as_numpy(out)
     np.negative(g, out=o)
     np.exp(o, out=o)
     o += 1.0
@@ -171,8 +166,7 @@ def silu_mul(gate, up, out):
     o *= u
 
 
-_rope_tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
-_other_caches.append(_rope_tables)
+_rope_tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = new_cache()
 
 
 def _rope_table(theta: float, dim: int, npos: int):
@@ -187,14 +181,14 @@ def _rope_table(theta: float, dim: int, npos: int):
     return t
 
 
-@_kernel("rope", "numpy")
+@kernel("rope", "numpy")
 def rope(data, positions, theta, mode, out):
     """Rotary position embedding on data (..., S, H, D) with positions int (S,).
 
     mode 0 = rotate-half (HF Llama: pairs (i, i + D/2)), 1 = interleaved
     pairs (2i, 2i+1). Angles pos * theta^(-2i/D), tables cached per (theta, D).
     """
-    x, p, o = _np(data), _np(positions).astype(np.int64).reshape(-1), _np(out)
+    x, p, o = as_numpy(data), as_numpy(positions).astype(np.int64).reshape(-1), as_numpy(out)
     d = x.shape[-1]
     if x.shape[-3] != p.shape[0] or d % 2:
         raise KernelError(f"rope: data {x.shape} needs (..., S={p.shape[0]}, H, even D)")
@@ -212,7 +206,7 @@ def rope(data, positions, theta, mode, out):
     o1[...] = r1
 
 
-@_kernel("attention_decode", "numpy/OpenBLAS")
+@kernel("attention_decode", "numpy/OpenBLAS")
 def attention_decode(q, k_cache, v_cache, length, scale, out):
     """One decode step of grouped-query attention over a KV cache.
 
@@ -220,7 +214,7 @@ def attention_decode(q, k_cache, v_cache, length, scale, out):
     positions valid (length = pos + 1 after writing the new token); Hq a
     multiple of Hkv; out (B, Hq, D) = softmax(q k^T * scale) v.
     """
-    qa, k, v, o = _np(q), _np(k_cache), _np(v_cache), _np(out)
+    qa, k, v, o = as_numpy(q), as_numpy(k_cache), as_numpy(v_cache), as_numpy(out)
     n = int(length)
     bsz, hq, d = qa.shape
     hkv, t = k.shape[1], k.shape[2]
@@ -235,7 +229,7 @@ def attention_decode(q, k_cache, v_cache, length, scale, out):
     np.matmul(s, v[:, :, :n], out=o.reshape(bsz, hkv, hq // hkv, d))
 
 
-@_kernel("kv_update", "numpy")
+@kernel("kv_update", "numpy")
 def kv_update(cache, new, pos, out):
     """out = cache with ``new`` written at positions pos.. along axis -2.
 
@@ -243,7 +237,7 @@ def kv_update(cache, new, pos, out):
     memory (KV-resident decode hands the same buffer in and out) only the S
     new rows are written; otherwise the cache is copied first.
     """
-    c, n, o = _np(cache), _np(new), _np(out)
+    c, n, o = as_numpy(cache), as_numpy(new), as_numpy(out)
     p, s = int(pos), n.shape[-2]
     if c.shape != o.shape or n.shape[:-2] != c.shape[:-2] or n.shape[-1] != c.shape[-1]:
         raise KernelError(f"kv_update: cache {c.shape}, new {n.shape}, out {o.shape}")

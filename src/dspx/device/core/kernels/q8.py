@@ -10,25 +10,27 @@ weight, ``QuantizeLinear -> QLinearConv -> DequantizeLinear`` (a convolution's
 output is requantized with its calibrated range, as onnxruntime's own QDQ
 models do) or ``QuantizeLinear -> QGemm`` (float output, no requantization).
 
-Split from kernels.py (which imports this module at its end, so these are in
-the same registry, ABI check and ``register_all``).  Each kernel returns its
-bound run, so a call site replays it (kernels._site_cached).
+Each kernel returns its bound run, so a call site replays it
+(registry.site_cached).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ...abi.kernels import ACT_RELU, LAYOUT_NCHW
-from .cpu import host_features
-from .kernels import KernelError, _cached, _conv_numpy, _ints, _kernel, _np, _OrtOp, backend
+from ....abi.kernels import ACT_RELU, LAYOUT_NCHW
+from ..cpu import host_features
+from .backends import OrtOp, backend
+from .caches import cached
+from .conv import conv_numpy
+from .registry import KernelError, as_numpy, ints, kernel
 
 _INT32 = np.iinfo(np.int32)
 
 
-def _QOp(nodes, inputs, out, inits) -> _OrtOp:
+def _QOp(nodes, inputs, out, inits) -> OrtOp:
     """A float-in, float-out onnxruntime graph (int8 inside) bound to the caller's memory."""
-    return _OrtOp(nodes, inputs, out, inits, domains=(("com.microsoft", 1),))
+    return OrtOp(nodes, inputs, out, inits, domains=(("com.microsoft", 1),))
 
 
 def _qparams(scale: float, zero: int, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -39,7 +41,7 @@ def _qparams(scale: float, zero: int, what: str) -> tuple[np.ndarray, np.ndarray
     return np.array(scale, np.float32), np.array(zero, np.uint8)
 
 
-def _exact_u8s8() -> bool:
+def exact_u8s8() -> bool:
     """Whether MLAS' u8 x s8 kernels are exact here: with VNNI they accumulate
     in int32; without it (AVX2's vpmaddubsw) they saturate pairs of products
     at int16, which put int8 convolutions ~27 quanta off on an AVX2-only EPYC."""
@@ -50,7 +52,7 @@ def _weights(w: np.ndarray, channels: int) -> tuple[np.ndarray, np.ndarray]:
     """The weights and their zero points as onnxruntime gets them: int8 where
     u8s8 is exact, else the same integers as uint8 with zero point 128 (MLAS'
     u8u8 kernels widen to int16 first: exact on every x86, a little slower)."""
-    if _exact_u8s8():
+    if exact_u8s8():
         return w, np.zeros(channels, np.int8)
     return (w.astype(np.int16) + 128).astype(np.uint8), np.full(channels, 128, np.uint8)
 
@@ -75,9 +77,9 @@ def _conv_q8(data, weight, bias, residual, wscale, strides, padding, dilation, g
              in_scale, in_zero, out_scale, out_zero, out):
     from onnx import helper
 
-    x, w, o = _np(data), _np(weight), _np(out)
-    r = _np(residual) if residual is not None else None
-    strides, pads, dil = _ints(strides), _ints(padding), _ints(dilation)
+    x, w, o = as_numpy(data), as_numpy(weight), as_numpy(out)
+    r = as_numpy(residual) if residual is not None else None
+    strides, pads, dil = ints(strides), ints(padding), ints(dilation)
     groups, layout, act = int(groups), int(layout), int(act)
     if len(pads) == 2:
         pads = pads + pads
@@ -94,9 +96,9 @@ def _conv_q8(data, weight, bias, residual, wscale, strides, padding, dilation, g
     xs, xz = _qparams(in_scale, in_zero, "conv2d_q8 input")
     ys, yz = _qparams(out_scale, out_zero, "conv2d_q8 output")
     if backend() != "onnxruntime":
-        s = _np(wscale).astype(np.float64)
-        acc = _conv_numpy(_centered(x, xs, xz), w.astype(np.float64), None, strides, pads, dil, groups)
-        acc += _bias_int32(_np(bias), xs, s).reshape(1, -1, 1, 1)
+        s = as_numpy(wscale).astype(np.float64)
+        acc = conv_numpy(_centered(x, xs, xz), w.astype(np.float64), None, strides, pads, dil, groups)
+        acc += _bias_int32(as_numpy(bias), xs, s).reshape(1, -1, 1, 1)
         y = _requantize(acc * (float(xs) * s).reshape(1, -1, 1, 1), ys, yz)
         if r is not None:
             y += r
@@ -106,10 +108,10 @@ def _conv_q8(data, weight, bias, residual, wscale, strides, padding, dilation, g
         return None
 
     def make():
-        s = _np(wscale).astype(np.float32)
+        s = as_numpy(wscale).astype(np.float32)
         wq, wz = _weights(w, w.shape[0])
         inits = {"xs": xs, "xz": xz, "w": wq, "ws": s, "wz": wz, "ys": ys, "yz": yz,
-                 "b": _bias_int32(_np(bias), xs, s)}
+                 "b": _bias_int32(as_numpy(bias), xs, s)}
         nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
                  helper.make_node("QLinearConv", ["xq", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"], ["yq"],
                                   strides=strides, pads=pads, dilations=dil, group=groups),
@@ -125,12 +127,12 @@ def _conv_q8(data, weight, bias, residual, wscale, strides, padding, dilation, g
             last = "y"
         return _QOp(nodes, inputs, (last, o.shape), inits)
 
-    op = _cached(w, ("q8-conv", tuple(strides), tuple(pads), tuple(dil), groups, act, r is not None, x.shape,
-                     float(xs), int(xz), float(ys), int(yz), _np(bias).ctypes.data), make)
+    op = cached(w, ("q8-conv", tuple(strides), tuple(pads), tuple(dil), groups, act, r is not None, x.shape,
+                    float(xs), int(xz), float(ys), int(yz), as_numpy(bias).ctypes.data), make)
     return op([x] if r is None else [x, r], o)
 
 
-@_kernel("conv2d_q8", "onnxruntime QuantizeLinear + QLinearConv + DequantizeLinear", site=True)
+@kernel("conv2d_q8", "onnxruntime QuantizeLinear + QLinearConv + DequantizeLinear", site=True)
 def conv2d_q8(data, weight, bias, wscale, strides, padding, dilation, groups, layout, act,
               in_scale, in_zero, out_scale, out_zero, out):
     """int8 convolution, out = act(dq(q(conv(q(data), weight) + bias))).
@@ -143,7 +145,7 @@ def conv2d_q8(data, weight, bias, wscale, strides, padding, dilation, groups, la
              in_scale, in_zero, out_scale, out_zero, out)
 
 
-@_kernel("conv2d_add_q8", "as conv2d_q8, residual added in float32", site=True)
+@kernel("conv2d_add_q8", "as conv2d_q8, residual added in float32", site=True)
 def conv2d_add_q8(data, weight, bias, residual, wscale, strides, padding, dilation, groups, layout, act,
                   in_scale, in_zero, out_scale, out_zero, out):
     """out = act(dq(q(conv + bias)) + residual): the int8 convolution's float result plus the residual."""
@@ -151,7 +153,7 @@ def conv2d_add_q8(data, weight, bias, residual, wscale, strides, padding, dilati
              in_scale, in_zero, out_scale, out_zero, out)
 
 
-@_kernel("dense_q8", "onnxruntime QuantizeLinear + QGemm (float output)", site=True)
+@kernel("dense_q8", "onnxruntime QuantizeLinear + QGemm (float output)", site=True)
 def dense_q8(data, weight, bias, wscale, trans_b, act, in_scale, in_zero, out):
     """int8 fully connected: out = act(q(data) @ W + bias) with W = weight * wscale along N.
 
@@ -160,7 +162,7 @@ def dense_q8(data, weight, bias, wscale, trans_b, act, in_scale, in_zero, out):
     """
     from onnx import helper
 
-    x, w, o = _np(data), _np(weight), _np(out)
+    x, w, o = as_numpy(data), as_numpy(weight), as_numpy(out)
     tb, act = int(trans_b), int(act)
     if w.ndim != 2 or w.dtype != np.int8:
         raise KernelError(f"dense_q8: weight must be 2-D int8, got {w.dtype}{list(w.shape)}")
@@ -173,17 +175,17 @@ def dense_q8(data, weight, bias, wscale, trans_b, act, in_scale, in_zero, out):
     xs, xz = _qparams(in_scale, in_zero, "dense_q8 input")
     x2, o2 = x.reshape(-1, k), o.reshape(-1, n)
     if backend() != "onnxruntime":
-        s = _np(wscale).astype(np.float64)
-        acc = _centered(x2, xs, xz) @ (w.T if tb else w).astype(np.float64) + _bias_int32(_np(bias), xs, s)
+        s = as_numpy(wscale).astype(np.float64)
+        acc = _centered(x2, xs, xz) @ (w.T if tb else w).astype(np.float64) + _bias_int32(as_numpy(bias), xs, s)
         o2[...] = acc * (float(xs) * s)
         if act == ACT_RELU:
             np.maximum(o2, 0, out=o2)
         return None
 
     def make():
-        s = _np(wscale).astype(np.float32)
+        s = as_numpy(wscale).astype(np.float32)
         wq, wz = _weights(w, n)
-        inits = {"xs": xs, "xz": xz, "w": wq, "ws": s, "wz": wz, "b": _bias_int32(_np(bias), xs, s)}
+        inits = {"xs": xs, "xz": xz, "w": wq, "ws": s, "wz": wz, "b": _bias_int32(as_numpy(bias), xs, s)}
         nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
                  helper.make_node("QGemm", ["xq", "xs", "xz", "w", "ws", "wz", "b"], ["g"], domain="com.microsoft",
                                   transB=tb)]
@@ -193,5 +195,5 @@ def dense_q8(data, weight, bias, wscale, trans_b, act, in_scale, in_zero, out):
             last = "y"
         return _QOp(nodes, [("x", x2.shape)], (last, o2.shape), inits)
 
-    op = _cached(w, ("q8-dense", tb, act, x2.shape, float(xs), int(xz), _np(bias).ctypes.data), make)
+    op = cached(w, ("q8-dense", tb, act, x2.shape, float(xs), int(xz), as_numpy(bias).ctypes.data), make)
     return op([x2], o2)
