@@ -312,7 +312,7 @@ def install_core(index: int) -> None:
     _wrap(W, "call", lambda self, rec, *_: "call job", "core", top=True,
           args=lambda self, rec, *_: {"job": rec.job, "seq": rec.seq})
     _wrap(W, "handle", lambda self, rec: f"job {type(rec).__name__}", "core", top=True)
-    _wrap(rpc.Prepared, "run", lambda self, ops: f"op 0x{self.spec.cmd:04x}", "core")
+    _wrap(rpc.PreparedRpc, "run", lambda self, core: f"op 0x{self.spec.cmd:04x}", "core")
     D = runtime.DmaEngine
     copy = D._do_copy
 
