@@ -143,10 +143,10 @@ def core_worker(argv) -> None:
 def front_worker(sock: str, threads: int) -> None:
     """A device whose front logs (request in, job sent) per call, with instrumented cores."""
     from dspx.device import jobs
-    from dspx.device.front import cores, loop
+    from dspx.device.front import cores, loop, scheduler
 
     log = open(os.environ[TS_ENV] + ".front", "w", buffering=1)
-    on_conn, start_job = loop.Service._on_conn, loop.Service._start_job
+    on_conn, start_job = loop.Service._on_conn, scheduler.Scheduler._start_job
     last_in = [0]
 
     def timed_on_conn(self, conn, events):
@@ -158,7 +158,7 @@ def front_worker(sock: str, threads: int) -> None:
         if isinstance(job.rec, jobs.Call):
             log.write(json.dumps([last_in[0], time.perf_counter_ns()]) + "\n")
 
-    loop.Service._on_conn, loop.Service._start_job = timed_on_conn, timed_start_job
+    loop.Service._on_conn, scheduler.Scheduler._start_job = timed_on_conn, timed_start_job
     cores.CoreProc.COMMAND = (sys.executable, __file__, "--worker", "core")
     os.environ.update(_threads_env(threads))
     loop.Service(sock, cores=1, threads=threads).serve_forever()

@@ -218,7 +218,7 @@ def _front_with_switches(tmp_path, monkeypatch):
     from dspx.device.front.loop import Service
     svc = Service(str(tmp_path / "dsp0.sock"), cores=1, threads=1)
     sent = []
-    monkeypatch.setattr(svc, "_send", lambda conn, data: sent.append((conn.cid, data)))
+    monkeypatch.setattr(svc.connections, "send", lambda conn, data: sent.append((conn.cid, data)))
     for cid in (1, 2):
         svc.st.conns[cid] = _FakeConn(cid)
     c = svc.cores[0]
@@ -235,22 +235,22 @@ def test_a_late_answer_for_the_previous_owner_is_forwarded_until_the_core_acknow
     switched already, forwards it.  After the core's Switched (sent before
     the new owner's code runs), a Deliver to 1 can only be that code's forgery."""
     svc, c, sent = _front_with_switches(tmp_path, monkeypatch)
-    svc._core_deliver(c, jobs.Deliver(1, b"late"))
+    svc.supervisor.deliver(c, jobs.Deliver(1, b"late"))
     assert sent == [(1, b"late")]
-    svc._core_switched(c, jobs.Switched(1))
+    svc.supervisor.switched(c, jobs.Switched(1))
     with pytest.raises(jobs.BadRecord, match="Deliver to connection 1, which core 0 does not serve"):
-        svc._core_deliver(c, jobs.Deliver(1, b"forged"))
-    svc._core_deliver(c, jobs.Deliver(2, b"own"))
+        svc.supervisor.deliver(c, jobs.Deliver(1, b"forged"))
+    svc.supervisor.deliver(c, jobs.Deliver(2, b"own"))
     assert sent == [(1, b"late"), (2, b"own")]
 
 
 def test_a_switch_acknowledgement_out_of_turn_is_a_bad_record(tmp_path, monkeypatch):
     svc, c, _ = _front_with_switches(tmp_path, monkeypatch)
     with pytest.raises(jobs.BadRecord, match="Switched #2, but core 0 was sent 1 owner switches"):
-        svc._core_switched(c, jobs.Switched(2))
-    svc._core_switched(c, jobs.Switched(1))
+        svc.supervisor.switched(c, jobs.Switched(2))
+    svc.supervisor.switched(c, jobs.Switched(1))
     with pytest.raises(jobs.BadRecord, match="acknowledged 1"):
-        svc._core_switched(c, jobs.Switched(1))
+        svc.supervisor.switched(c, jobs.Switched(1))
 
 
 def test_the_core_acknowledges_an_owner_switch_before_anything_else():

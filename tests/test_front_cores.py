@@ -19,7 +19,7 @@ def test_a_core_that_dies_before_its_hello_is_restarted_with_a_growing_backoff(t
     c = svc.cores[0]
     c.COMMAND = (sys.executable, "-c", "import sys; sys.exit(3)")  # dies at once, never says hello
     try:
-        svc._start_core(c, wait=False)
+        svc.supervisor.start_core(c, wait=False)
         delays = []
         for attempt in (1, 2):
             _wait_exit(c)

@@ -14,8 +14,9 @@ from dspx import memory
 from dspx.abi import protocol as P
 from dspx.abi.protocol import Status as S
 from dspx.device import jobs
-from dspx.device.front.handlers import Cores, Forget, Handlers, Notify, Respond, Submit, _NoRoom
-from dspx.device.front.state import MAX_BUFS_PER_CONN, Conn, DeviceState, ModuleRec
+from dspx.device.front.actions import Forget, NoRoom, Notify, Respond, Submit
+from dspx.device.front.handlers import Handlers
+from dspx.device.front.state import MAX_BUFS_PER_CONN, Conn, Cores, DeviceState, ModuleRec
 
 MiB = 1 << 20
 SIG = jobs.ModuleSig(False, [jobs.TensorSig("x", (2, 8), "float32")])
@@ -201,7 +202,7 @@ def test_dyn_load_is_a_job_for_core_0_and_its_answer_carries_io_meta(front):
 def test_a_module_that_does_not_fit_the_ddr_pool_is_unloaded_and_refused_with_the_numbers(front):
     front.attach(MiB, staging=True)
     job = submitted(front(P.DynLoad(elf_size=1000)))
-    with pytest.raises(_NoRoom) as e:
+    with pytest.raises(NoRoom) as e:
         job.on_done(jobs.Done(job.rec.job, value=jobs.Loaded(16 * MiB, 0, 0, None, None)))
     assert e.value.status == S.ERR_NOMEM and e.value.numbers["oom_requested"] == 16 * MiB
     assert e.value.numbers["oom_total"] == 8 * MiB and isinstance(e.value.undo, Notify)

@@ -15,8 +15,9 @@ from dspx import memory
 from dspx.abi import layout, protocol as P
 from dspx.abi.protocol import Status as S
 from dspx.device import jobs
-from dspx.device.front.handlers import Cores, Handlers, Notify, Respond, Submit, _NoRoom
-from dspx.device.front.state import MAX_INPUTS, MAX_OPLIB_SOURCE, Conn, ModelRec, ModuleRec, Reject
+from dspx.device.front.actions import NoRoom, Notify, Respond, Submit
+from dspx.device.front.handlers import Handlers
+from dspx.device.front.state import MAX_INPUTS, MAX_OPLIB_SOURCE, Conn, Cores, ModelRec, ModuleRec, Reject
 from test_front_handlers import SIG, Front, _desc, infer_req, responses, status, submitted
 
 MiB = 1 << 20
@@ -246,7 +247,7 @@ def test_weights_larger_than_the_ddr_pool_are_nomem_with_the_numbers_and_undone_
     front.attach(MiB, staging=True)
     front.st.ddr.take(MiB)
     job = submitted(front(P.ModelLoad(weights_size=1000)))
-    with pytest.raises(_NoRoom) as e:
+    with pytest.raises(NoRoom) as e:
         job.on_done(jobs.Done(job.rec.job, value=jobs.WeightsLoaded(3, 7 * MiB + 1)))
     n = e.value.numbers
     assert e.value.status == S.ERR_NOMEM
@@ -296,7 +297,7 @@ def _load_everywhere(actions, ops) -> tuple[list, list]:
 
 
 def _answer(actions):
-    (r,) = [a.msg for a in actions if type(a).__name__ == "_To"]
+    (r,) = [a.msg for a in actions if type(a).__name__ == "RespondTo"]
     return r
 
 
@@ -632,7 +633,7 @@ def test_a_handler_bug_is_not_a_refusal_it_propagates_to_the_loop(front):
 
 
 def test_failure_with_no_connection_answers_nothing():
-    from dspx.device.front.handlers import failure
+    from dspx.device.front.actions import failure
     assert failure(None, P.Ping(), Reject(S.ERR_INVALID, "x")) == []
 
 
@@ -705,7 +706,7 @@ def _model(front, nbytes: int, generation: int = 1) -> int:
 
 
 def test_model_unload_waits_for_its_core_then_answers_the_connection(front):
-    from dspx.device.front.handlers import _To
+    from dspx.device.front.actions import RespondTo
 
     mid = _model(front, 4096)
     actions = front(P.ModelUnload(seq=12, model_id=mid))
@@ -713,7 +714,7 @@ def test_model_unload_waits_for_its_core_then_answers_the_connection(front):
     assert isinstance(job.rec, jobs.UnloadWeights) and job.rec.model_id == mid
     assert (job.core, job.conn, job.req.seq, job.bufs) == (0, None, 12, [])
     (to,) = job.on_done(jobs.Done(job.rec.job))
-    assert isinstance(to, _To) and to.conn is front.conn
+    assert isinstance(to, RespondTo) and to.conn is front.conn
     assert isinstance(to.msg, P.ModelUnloadResp) and to.msg.seq == 12
     assert mid not in front.st.models and mid not in front.conn.models and front.st.ddr.used == 0
 
@@ -880,7 +881,7 @@ def test_an_infer_plan_replays_whatever_the_op_table(front):
 
 def test_no_room_keeps_the_status_message_and_numbers():
     n = Notify(0, jobs.UnloadModule(handle=1))
-    e = _NoRoom(n, Reject(S.ERR_NOMEM, "full", oom_requested=5, oom_free=1))
+    e = NoRoom(n, Reject(S.ERR_NOMEM, "full", oom_requested=5, oom_free=1))
     assert (e.status, str(e), e.numbers, e.undo) == (S.ERR_NOMEM, "full", {"oom_requested": 5, "oom_free": 1}, n)
 
 
@@ -992,7 +993,7 @@ def test_an_op_library_from_staging_answers_with_a_dyn_load_response(front):
     per_core, actions = _load_everywhere(front(P.DynLoad(seq=31, elf_size=6, flags=P.DYN_LOAD_OP_LIBRARY)),
                                          [(0x3005, "x", 0)])
     assert all(j.bufs == [] and j.run_limit_s == Handlers.OPS_LOAD_LIMIT_S for j in per_core)
-    (to,) = [a for a in actions if type(a).__name__ == "_To"]
+    (to,) = [a for a in actions if type(a).__name__ == "RespondTo"]
     r = to.msg
     assert to.conn is front.conn and isinstance(r, P.DynLoadResp)
     assert (r.seq, r.status, r.module_handle) == (31, 0, per_core[0].rec.handle)
@@ -1006,7 +1007,7 @@ def test_an_op_library_one_core_refused_is_unloaded_by_handle_where_it_loaded(fr
     actions = j1.on_done(jobs.Done(j1.rec.job, S.ERR_LOAD, "bad"))
     (undo,) = [a for a in actions if isinstance(a, Notify)]
     assert isinstance(undo.rec, jobs.UnloadOps) and undo.rec.handle == j0.rec.handle
-    (to,) = [a for a in actions if type(a).__name__ == "_To"]
+    (to,) = [a for a in actions if type(a).__name__ == "RespondTo"]
     assert to.conn is front.conn and (to.msg.seq, to.msg.status) == (4, S.ERR_LOAD)
 
 
@@ -1067,7 +1068,7 @@ def test_a_module_past_the_pool_is_undone_on_its_core_with_the_figures_in_the_te
     front.attach(MiB, staging=True)
     front.st.ddr.take(MiB)
     job = submitted(front(P.DynLoad(elf_size=1000)))
-    with pytest.raises(_NoRoom) as e:
+    with pytest.raises(NoRoom) as e:
         job.on_done(jobs.Done(job.rec.job, value=jobs.Loaded(8 * MiB, 0, 0, None, None)))
     assert (e.value.undo.core, e.value.undo.rec.handle) == (0, job.rec.handle)
     assert isinstance(e.value.undo.rec, jobs.UnloadModule)
@@ -1097,7 +1098,7 @@ def test_set_printf_buf_answers_with_the_requests_seq(front):
 
 
 def test_a_refusal_answers_its_numbers_in_the_response(front):
-    from dspx.device.front.handlers import failure
+    from dspx.device.front.actions import failure
 
     (r,) = responses(failure(front.conn, P.DynLoad(seq=3), Reject(S.ERR_NOMEM, "x", oom_requested=5, oom_free=4)))
     assert (r.seq, r.status, r.oom_requested, r.oom_free) == (3, S.ERR_NOMEM, 5, 4)

@@ -12,7 +12,8 @@ import pytest
 from dspx.abi import protocol as P
 from dspx.abi.protocol import Status as S
 from dspx.device import jobs
-from dspx.device.front.handlers import Forget, Handlers, Notify
+from dspx.device.front.actions import Forget, Notify
+from dspx.device.front.handlers import Handlers
 from dspx.device.front.state import MAX_BUFS_PER_CONN, MAX_CONNS, Limits, ModuleRec
 from test_front_handlers import SIG, responses, submitted
 

@@ -285,17 +285,17 @@ def install_front() -> None:
     path = os.environ.get(ENV)
     if not path:
         return
-    from .device.front import handlers, loop
+    from .device.front import connections, handlers, loop, scheduler, supervisor
+    from .device.front.handlers import calls
 
     _start(path, "device front", 1, "front loop")
-    S = loop.Service
-    _wrap(S, "_on_conn", "receive", "front", top=True)
-    _wrap(S, "_on_core", "core message", "front", top=True)
+    _wrap(loop.Service, "_on_conn", "receive", "front", top=True)
+    _wrap(supervisor.CoreSupervisor, "on_core", "core message", "front", top=True)
     _wrap(handlers.Handlers, "handle", lambda self, conn, req, *a, **k: f"validate {req.NAME}", "front")
-    _wrap(handlers.Handlers, "replay", "validate (plan hit)", "front")
-    _wrap(S, "submit", "queue", "front")
-    _wrap(S, "_start_job", "to core", "front", args=lambda self, c, job: {"core": c.index})
-    _wrap(S, "_send", "respond", "front")
+    _wrap(calls.CallHandlers, "replay", "validate (plan hit)", "front")
+    _wrap(scheduler.Scheduler, "submit", "queue", "front")
+    _wrap(scheduler.Scheduler, "_start_job", "to core", "front", args=lambda self, c, job: {"core": c.index})
+    _wrap(connections.Connections, "send", "respond", "front")
 
 
 def install_core(index: int) -> None:
@@ -312,7 +312,7 @@ def install_core(index: int) -> None:
     _wrap(W, "call", lambda self, rec, *_: "call job", "core", top=True,
           args=lambda self, rec, *_: {"job": rec.job, "seq": rec.seq})
     _wrap(W, "handle", lambda self, rec: f"job {type(rec).__name__}", "core", top=True)
-    _wrap(rpc.Prepared, "run", lambda self, ops: f"op 0x{self.spec.cmd:04x}", "core")
+    _wrap(rpc.PreparedRpc, "run", lambda self, core: f"op 0x{self.spec.cmd:04x}", "core")
     D = runtime.DmaEngine
     copy = D._do_copy
 

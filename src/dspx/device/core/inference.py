@@ -3,10 +3,10 @@ packed into output_buf (or the KV region), the response.
 
 The front has validated every address, descriptor and the module's
 signature and sends the resolved request once (``jobs.InferSpec``); the core
-keeps it as a ``Prepared`` call — input views, the entry's argument list —
-and runs it for every request with the same bytes.  Output layout in
-output_buf is abi.layout's: a descriptor region then each tensor 64-byte
-aligned.  With KV_RESIDENT every output past the first is written to the KV
+keeps it as a ``PreparedInfer`` call (core/prepared.py) — input views, the
+entry's argument list — and runs it for every request with the same bytes.
+Output layout in output_buf is abi.layout's: a descriptor region then each
+tensor 64-byte aligned.  With KV_RESIDENT every output past the first is written to the KV
 region instead, packed the same way from its base, and only the first output
 (and its descriptor) reaches output_buf.
 
@@ -26,6 +26,7 @@ import numpy as np
 from ... import trace
 from ...abi import layout, protocol as P
 from ...abi.protocol import DType, Status
+from .prepared import Outcome
 
 
 class InferFailed(Exception):
@@ -52,14 +53,14 @@ def _desc(addr: int, arr: np.ndarray) -> P.TensorDesc:
     return P.TensorDesc(addr, arr.nbytes, arr.ndim, cb[0], cb[1], arr.shape)
 
 
-class Prepared:
+class PreparedInfer:
     """One validated INFER, ready to run again and again."""
 
     def __new__(cls, spec, *args):
         # PROFILE, or a tracing core: the timed run, chosen once per plan (the
-        # plain run() keeps its path, no per-call test)
-        if cls is Prepared and (spec.profile or trace.recorder() is not None):
-            cls = TimedPrepared
+        # plain _entry() keeps its path, no per-call test)
+        if cls is PreparedInfer and (spec.profile or trace.recorder() is not None):
+            cls = TimedPreparedInfer
         return super().__new__(cls)
 
     def __init__(self, spec, module, weights, bufs: dict):
@@ -76,7 +77,16 @@ class Prepared:
             raise InferFailed(Status.ERR_INVALID, "PROFILE needs a printf buffer (SET_PRINTF_BUF): "
                                                   "the profile rows are written there")
 
-    def run(self) -> tuple[int, list, str]:
+    def run(self, core) -> Outcome:
+        """Run the entry, place the outputs and write the printf text to the
+        core's ring; a result that does not fit fails with its status."""
+        try:
+            cycles, descs, text = self._entry()
+            return Outcome(answer=(cycles, descs, core.write_printf(self.spec.printf, text)))
+        except InferFailed as e:
+            return Outcome(e.status, str(e), e.numbers)
+
+    def _entry(self) -> tuple[int, list, str]:
         """Run the entry (``repeat`` times) and place the outputs; returns
         (cycles, output descriptors, printf text)."""
         spec = self.spec
@@ -94,8 +104,8 @@ class Prepared:
         text = "".join(f"run {i}: {c} cycles\n" for i, c in enumerate(per_run)) if repeat > 1 else ""
         return cycles, self._place([np.ascontiguousarray(o) for o in outs], cycles), text
 
-    def run_timed(self) -> tuple[int, list, str]:
-        """run() on the module's TimedVM: every call of the entry timed; the
+    def _entry_timed(self) -> tuple[int, list, str]:
+        """_entry() on the module's TimedVM: every call of the entry timed; the
         rows go to printf (PROFILE) and to the trace (when the core traces)."""
         spec = self.spec
         timed = timed_vm(self.module)
@@ -159,7 +169,12 @@ class Prepared:
         self.out_mm[res_off:res_off + len(table)] = table
         return descs
 
-    def response(self, seq: int, cycles: int, descs: list, printf_size: int) -> bytes:
+    def response(self, seq: int, outcome: Outcome, queued_us: int) -> bytes | None:
+        """The INFER response (None for a failure: the worker answers it);
+        ``queued_us``: not in an INFER response."""
+        if outcome.status != Status.SUCCESS:
+            return None
+        cycles, descs, printf_size = outcome.answer
         resp = self.resp_cls(seq=seq, cycles=cycles, num_outputs=len(descs), printf_size=printf_size)
         if len(descs) <= P.MAX_INLINE_OUTPUTS:
             resp.descs = descs
@@ -169,8 +184,8 @@ class Prepared:
         return resp.encode()
 
 
-class TimedPrepared(Prepared):
-    run = Prepared.run_timed
+class TimedPreparedInfer(PreparedInfer):
+    _entry = PreparedInfer._entry_timed
 
 
 # ------------------------------------------------------------------ timed calls (PROFILE, trace)

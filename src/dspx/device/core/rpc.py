@@ -10,6 +10,7 @@ from ...abi.ops import FAULT_CRASH_CMD
 from ...abi.protocol import Status
 from ...memory import AddressSpace, Region
 from . import builtin_ops, ops, runtime
+from .prepared import Outcome
 
 
 class CoreOps:
@@ -25,7 +26,7 @@ class CoreOps:
         return [(o.cmd, o.name, o.latency_us) for o in self.registry.ops() if lib is None or o.lib == lib]
 
 
-class Prepared:
+class PreparedRpc:
     """One validated RPC: the connection's address space and the task's views."""
 
     def __init__(self, spec, bufs: dict):
@@ -38,12 +39,21 @@ class Prepared:
         self.out = np.frombuffer(bufs[ob], np.uint8, count=osz, offset=ooff)
         self.printf_limit = (spec.printf[2] if spec.printf else memory.PRINTF_SIZE) - layout.PRINTF_HEADER
 
-    def run(self, core_ops: CoreOps) -> ops.OpResult:
+    def run(self, core) -> Outcome:
+        """Run the task on the core's ops; a handler's failure is a status
+        (the last printf line says why) that the response carries too."""
+        core_ops = core.ops
         task = runtime.TaskContext(self.space, core_ops.rt, printf_limit=self.printf_limit)
-        return core_ops.registry.run(self.spec.cmd, self.inp, self.out, task)
+        res = core_ops.registry.run(self.spec.cmd, self.inp, self.out, task)
+        answer = (res, core.index, core.write_printf(self.spec.printf, res.printf))
+        if res.status == Status.SUCCESS:
+            return Outcome(answer=answer)
+        text = res.printf.strip()
+        return Outcome(res.status, text.splitlines()[-1] if text else "", answer=answer)
 
     @staticmethod
-    def response(seq: int, res: ops.OpResult, core: int, printf_size: int, queued_us: int) -> bytes:
+    def response(seq: int, outcome: Outcome, queued_us: int) -> bytes:
+        res, core, printf_size = outcome.answer
         return P.RpcResp(seq=seq, status=res.status if res.status != Status.SUCCESS else 0,
                          return_value=res.return_value, core=core, cycles=res.cycles, printf_size=printf_size,
                          queued_us=queued_us).encode()

@@ -28,6 +28,7 @@ from .. import jobs
 from . import probe, sandbox
 from .errors import RuntimeBroken
 from .ops import clip
+from .prepared import Prepared
 
 # Module bytes are loaded once in a forked child before the core maps them
 # (see CoreWorker._probe_load); DSPX_LOAD_PROBE=0 turns that off.
@@ -56,7 +57,7 @@ class CoreWorker:
         self.threads = threads
         self.bufs: dict[int, mmap.mmap] = _Buffers()
         self.clients: dict[int, socket.socket] = {}  # cid -> the client's socket, for direct answers
-        self.plans: dict[int, object] = {}  # plan id -> inference.Prepared | rpc.Prepared
+        self.plans: dict[int, object] = {}  # plan id -> a prepared.Prepared (its spec until it is built)
         self.modules: dict[int, object] = {}
         self.models: dict[int, object] = {}
         self._ops = None
@@ -299,7 +300,7 @@ class CoreWorker:
                             f"load returned; it is damaged or not a module for this device")
 
     # ---------------------------------------------------------------- calls (INFER, RPC)
-    def _plan(self, rec: jobs.Call):
+    def _plan(self, rec: jobs.Call) -> Prepared:
         plan = self.plans.get(rec.plan)
         if plan is None or isinstance(plan, (jobs.InferSpec, jobs.RpcSpec)):
             spec = rec.spec or plan
@@ -308,20 +309,22 @@ class CoreWorker:
             # Kept before it is built: a plan that cannot be built (a buffer this
             # core cannot map) fails each of its calls the same way.
             self.plans[rec.plan] = spec
-            if isinstance(spec, jobs.InferSpec):
-                from . import inference
-                from .errors import HandleError
-                mod = self.modules.get(spec.handle)
-                weights = self.models.get(spec.model_id) if spec.model_id else None
-                if mod is None or (spec.model_id and weights is None):
-                    raise HandleError(f"module {spec.handle} (model {spec.model_id}) is not loaded on core "
-                                      f"{self.index}: it could not be loaded again after the core restarted")
-                plan = inference.Prepared(spec, mod, weights, self.bufs)
-            else:
-                from . import rpc
-                plan = rpc.Prepared(spec, self.bufs)
+            plan = self._prepare(spec)
             self.plans[rec.plan] = plan
         return plan
+
+    def _prepare(self, spec) -> Prepared:
+        if isinstance(spec, jobs.RpcSpec):
+            from .rpc import PreparedRpc
+            return PreparedRpc(spec, self.bufs)
+        from .errors import HandleError
+        from .inference import PreparedInfer
+        mod = self.modules.get(spec.handle)
+        weights = self.models.get(spec.model_id) if spec.model_id else None
+        if mod is None or (spec.model_id and weights is None):
+            raise HandleError(f"module {spec.handle} (model {spec.model_id}) is not loaded on core "
+                              f"{self.index}: it could not be loaded again after the core restarted")
+        return PreparedInfer(spec, mod, weights, self.bufs)
 
     def call(self, rec: jobs.Call, failed: BaseException | None = None) -> None:
         """Run a call, tell the front it ended, then answer the client.
@@ -336,20 +339,9 @@ class CoreWorker:
                 raise failed
             plan = self._plan(rec)
             spec = plan.spec
-            if isinstance(spec, jobs.InferSpec):
-                from .inference import InferFailed
-                try:
-                    cycles, descs, text = plan.run()
-                    resp = plan.response(rec.seq, cycles, descs, self.write_printf(spec.printf, text))
-                except InferFailed as e:
-                    status, error, numbers = e.status, str(e), e.numbers
-            else:
-                res = plan.run(self.ops)
-                resp = plan.response(rec.seq, res, self.index, self.write_printf(spec.printf, res.printf),
-                                     rec.queued_us)
-                if res.status != Status.SUCCESS:
-                    status = res.status
-                    error = res.printf.strip().splitlines()[-1] if res.printf.strip() else ""
+            outcome = plan.run(self)
+            resp = plan.response(rec.seq, outcome, rec.queued_us)
+            status, error, numbers = outcome.status, outcome.error, outcome.numbers
         except BaseException as e:  # KeyboardInterrupt, SystemExit …: a status for this caller, not the core's end
             status = _status_of(e)
             if isinstance(e, SystemExit):

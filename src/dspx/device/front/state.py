@@ -1,11 +1,13 @@
 """What the front knows: connections, their buffers, modules and models, the
-op table and the device-wide accounting.  Pure state, no sockets."""
+op table and the device-wide accounting, and what its handlers may ask about
+the cores.  Pure state, no sockets."""
 from __future__ import annotations
 
 import itertools
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ... import memory
 from ...memory import AddressError, AddressSpace, Region
@@ -24,6 +26,15 @@ MAX_BUFS_PER_CONN = 128  # BUF_ATTACH past this is ERR_NOMEM
 MAX_INPUTS = 4096  # INFER_LARGE past this is ERR_INVALID
 # Plans (validated INFER/RPC requests) a connection keeps; the oldest goes first.
 MAX_PLANS_PER_CONN = 16
+
+
+class Cores:
+    """What handlers may ask about the cores."""
+
+    def __init__(self, count: int, generation: Callable[[int], int | None], rss: Callable[[], int] = lambda: 0):
+        self.count = count
+        self.generation = generation  # the incarnation of a ready core, None if it is not ready
+        self.rss = rss  # resident bytes of the front and its cores
 
 
 @dataclass
