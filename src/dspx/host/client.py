@@ -68,7 +68,7 @@ class Client:
         0 means none at all."""
         self.timeout = timeout
         self.session = Session()
-        self._infer_plans: dict = {}  # layouts of recent inferences (see infer)
+        self._infer_layouts: dict = {}  # layouts of recent inferences (see infer)
         self._lock = threading.RLock()
         self.device: launcher.PrivateDevice | None = None
         path, self.device = launcher.resolve(socket, cores=cores, extra_args=device_args)
@@ -417,16 +417,16 @@ class Client:
         # input placement) reuses its layout and encoded request.
         key = (handle, model_id, repeat, kv_resident, profile, tuple(kv_inputs), io.state(),
                tuple(zip(offsets, [a.shape for a in inputs], [a.dtype for a in inputs])))
-        cached = self._infer_plans.get(key)
+        cached = self._infer_layouts.get(key)
         ib = self.input_buf
         if cached is None:
-            plan = io.plan_infer(handle, inputs, offsets, model_id, repeat, kv_resident, kv_inputs, profile)
+            lay = io.plan_infer(handle, inputs, offsets, model_id, repeat, kv_resident, kv_inputs, profile)
             copied = [i for i, off in enumerate(offsets) if off is None]
-            cached = ([(ib.array(off, a.shape, a.dtype), i) for (off, a), i in zip(plan.copies, copied)],
-                      plan.table, bytearray(plan.message.encode()), plan.message.NAME)
-            if len(self._infer_plans) >= 16:
-                self._infer_plans.clear()
-            self._infer_plans[key] = cached
+            cached = ([(ib.array(off, a.shape, a.dtype), i) for (off, a), i in zip(lay.copies, copied)],
+                      lay.table, bytearray(lay.message.encode()), lay.message.NAME)
+            if len(self._infer_layouts) >= 16:
+                self._infer_layouts.clear()
+            self._infer_layouts[key] = cached
         dsts, table, request, name = cached
         ib.begin_cpu_access(memory.SYNC_WRITE)
         for dst, i in dsts:
