@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import trace
 from ..errors import ClosedError, DspxError
 from . import inputs as _inputs
 from .client import Client
@@ -144,7 +145,12 @@ class VirtualMachine:
         self._entry(name)
 
         def call(*args, **named):
-            outs = [np.array(v, copy=True) for v in self._run(args, named, fn=name)]
+            t0 = trace.clock() if trace.on else 0
+            try:
+                outs = [np.array(v, copy=True) for v in self._run(args, named, fn=name)]
+            finally:
+                if t0:
+                    trace.complete(f"vm[{name!r}] (infer + copy-out)", t0, "host", top=True)
             return outs[0] if len(outs) == 1 else outs
         call.__name__ = name
         return call

@@ -23,7 +23,7 @@ import time
 
 import psutil
 
-from ... import memory
+from ... import memory, trace
 from ...abi import protocol as P
 from ...abi.protocol import Status as S
 from ...transport import Endpoint, PeerClosed, Timeout, listen, peer_cred
@@ -218,7 +218,7 @@ class Service:
     def _start_core(self, c: CoreProc, wait: bool = True) -> None:
         self._start_spawner()  # started by serve_forever; here for a Service driven in-process
         c.start(self.spawner)
-        self._register(c.ep.fileno(), self._on_core, c)
+        self._register(c.ep.fileno(), trace.timed(self._on_core, "core message", "front", top=True), c)
         if wait:
             # At start-up, block until the core says hello so the device never
             # answers a job before a core exists.  A restart does not block the
@@ -511,7 +511,11 @@ class Service:
                 rest.append(entry)
                 continue
             idle.remove(c)
-            self._start_job(c, job)
+            if trace.on:
+                with trace.span("to core", "front", {"core": c.index}):
+                    self._start_job(c, job)
+            else:
+                self._start_job(c, job)
         for entry in rest:
             heapq.heappush(self.pending, entry)
 
@@ -580,7 +584,11 @@ class Service:
                     self._send(conn, a.msg.encode())
             elif isinstance(a, Submit):
                 try:
-                    self.submit(a.job)
+                    if trace.on:
+                        with trace.span("queue", "front"):
+                            self.submit(a.job)
+                    else:
+                        self.submit(a.job)
                 except Reject as e:
                     if a.job.req is not None:
                         self._apply(conn, failure(conn, a.job.req, e))
@@ -673,7 +681,7 @@ class Service:
         s.setblocking(False)
         conn = Conn(self.st.new_id(), Endpoint(s), uid, pid=pid)
         self.st.conns[conn.cid] = conn
-        self._register(s.fileno(), self._on_conn, conn)
+        self._register(s.fileno(), trace.timed(self._on_conn, "receive", "front", top=True), conn)
 
     # A connection past a limit: its requests are answered ERR_BUSY (GET_ERROR
     # says which limit, with the numbers) until it closes or REFUSED_LINGER_S
@@ -765,7 +773,11 @@ class Service:
             key = Handlers.plan_key(conn, hdr[0], data)
             plan = conn.plans.get(key) if key is not None else None
             if plan is not None:
-                actions = self.handlers.replay(conn, plan, hdr[1])
+                if trace.on:
+                    with trace.span("validate (plan hit)", "front"):
+                        actions = self.handlers.replay(conn, plan, hdr[1])
+                else:
+                    actions = self.handlers.replay(conn, plan, hdr[1])
                 if actions is not None:
                     self._apply(conn, actions)
                     return
@@ -777,23 +789,33 @@ class Service:
             conn.last_error = (e.seq or 0, int(e.status), str(e))
             self._send(conn, P.error_response(e.msg_type, e.seq, e.status))
             return
-        self._apply(conn, self.handlers.handle(conn, req, fds, key))
+        if trace.on:
+            with trace.span(f"validate {req.NAME}", "front"):
+                actions = self.handlers.handle(conn, req, fds, key)
+        else:
+            actions = self.handlers.handle(conn, req, fds, key)
+        self._apply(conn, actions)
 
     def _send(self, conn: Conn, data: bytes) -> None:
-        if conn.closed:
-            return
-        if conn.outbox:  # keep the order of responses
-            self._queue_out(conn, data)
-            return
+        t0 = trace.clock() if trace.on else 0
         try:
-            conn.ep.sock.send(data, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            # The peer is not reading: keep the response and stop reading its
-            # requests until it does (EPOLLOUT tells us when).
-            self._queue_out(conn, data)
-            self._modify(conn.ep.fileno(), _EPOLLOUT)
-        except OSError:
-            self._close_conn(conn)
+            if conn.closed:
+                return
+            if conn.outbox:  # keep the order of responses
+                self._queue_out(conn, data)
+                return
+            try:
+                conn.ep.sock.send(data, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                # The peer is not reading: keep the response and stop reading its
+                # requests until it does (EPOLLOUT tells us when).
+                self._queue_out(conn, data)
+                self._modify(conn.ep.fileno(), _EPOLLOUT)
+            except OSError:
+                self._close_conn(conn)
+        finally:
+            if t0:
+                trace.complete("respond", t0, "front")
 
     def _queue_out(self, conn: Conn, data: bytes) -> None:
         if len(conn.outbox) >= MAX_OUTBOX:

@@ -31,6 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ... import trace
 from ...abi import llmpack
 from ...errors import CapacityWarning
 from ...llm import LLMError
@@ -236,44 +237,59 @@ class DeviceLLM:
     def prefill(self, ids: Sequence[int], start: int = 0) -> np.ndarray:
         """Run ``ids`` at positions ``start…``; returns the last token's logits (a copy)."""
         ids = [int(i) for i in ids]
-        if not ids:
-            raise ValueError("prefill needs at least one token")
-        if start + len(ids) > self.context:
-            raise ContextFullError(start + len(ids), self.context)
-        self._to_device_kv()
-        last = None
-        for s in range(0, len(ids), self.chunk):
-            part = ids[s:s + self.chunk]
-            idarr = np.zeros((1, self.chunk), np.int64)
-            idarr[0, :len(part)] = part
-            pos = np.full((1, self.chunk), -1, np.int64)  # padding rows: no KV write, ignored
-            pos[0, :len(part)] = np.arange(start + s, start + s + len(part))
-            r, t = self._infer("prefill", [idarr, pos], True)
-            logits = self.client.output_view(r.descs[0])
-            last = logits[0, len(part) - 1].copy()
-            t.logits_bytes = last.nbytes
-            self._account(t)
-        return last
+        t0, before = (trace.clock(), self.traffic.to_json()) if trace.on else (0, None)
+        try:
+            if not ids:
+                raise ValueError("prefill needs at least one token")
+            if start + len(ids) > self.context:
+                raise ContextFullError(start + len(ids), self.context)
+            self._to_device_kv()
+            last = None
+            for s in range(0, len(ids), self.chunk):
+                part = ids[s:s + self.chunk]
+                idarr = np.zeros((1, self.chunk), np.int64)
+                idarr[0, :len(part)] = part
+                pos = np.full((1, self.chunk), -1, np.int64)  # padding rows: no KV write, ignored
+                pos[0, :len(part)] = np.arange(start + s, start + s + len(part))
+                r, t = self._infer("prefill", [idarr, pos], True)
+                logits = self.client.output_view(r.descs[0])
+                last = logits[0, len(part) - 1].copy()
+                t.logits_bytes = last.nbytes
+                self._account(t)
+            return last
+        finally:
+            if t0:
+                self._trace_step("prefill", t0, before, tokens=len(ids), start=start)
 
     def decode(self, token: int, pos: int, resident: bool = True) -> np.ndarray:
         """Logits (a copy) of ``token`` at ``pos`` attending to the cache 0…pos."""
-        if not 0 <= pos < self.context:
-            raise ContextFullError(pos + 1, self.context)
-        ids = np.array([[token]], np.int64)
-        p = np.array([[pos]], np.int64)
-        if resident:
-            self._to_device_kv()
-            r, t = self._infer(self._decode_name, [ids, p], True)
-        else:
-            self._to_host_kv()
-            r, t = self._infer(self._decode_name, [ids, p] + self.host_kv, False)
-            for i, arr in enumerate(self.host_kv):
-                np.copyto(arr, self.client.output_view(r.descs[1 + i]))
-                t.kv_out_bytes += arr.nbytes
-        out = self.client.output_view(r.descs[0])[0, 0].copy()
-        t.logits_bytes = out.nbytes
-        self._account(t)
-        return out
+        t0, before = (trace.clock(), self.traffic.to_json()) if trace.on else (0, None)
+        try:
+            if not 0 <= pos < self.context:
+                raise ContextFullError(pos + 1, self.context)
+            ids = np.array([[token]], np.int64)
+            p = np.array([[pos]], np.int64)
+            if resident:
+                self._to_device_kv()
+                r, t = self._infer(self._decode_name, [ids, p], True)
+            else:
+                self._to_host_kv()
+                r, t = self._infer(self._decode_name, [ids, p] + self.host_kv, False)
+                for i, arr in enumerate(self.host_kv):
+                    np.copyto(arr, self.client.output_view(r.descs[1 + i]))
+                    t.kv_out_bytes += arr.nbytes
+            out = self.client.output_view(r.descs[0])[0, 0].copy()
+            t.logits_bytes = out.nbytes
+            self._account(t)
+            return out
+        finally:
+            if t0:
+                self._trace_step("decode", t0, before, pos=pos, resident=resident)
+
+    def _trace_step(self, what: str, t0: int, before: dict, **args) -> None:
+        """A prefill or decode span with the bytes the host moved for it."""
+        after = self.traffic.to_json()
+        trace.complete(what, t0, "host", {**{k: after[k] - before[k] for k in after}, **args}, top=True)
 
     def close(self) -> None:
         c = getattr(self, "client", None)
