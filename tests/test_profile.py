@@ -184,3 +184,53 @@ def test_dspx_run_profile_json_and_trace(tmp_path, compiled):
     assert procs == {"host", "device front", "device core 0"}
     names = {e["name"] for e in events if e["ph"] == "X"}
     assert {"infer", "receive", "call job", "entry main"} <= names
+
+
+class _ProfilingClient:
+    """A Client stand-in for VirtualMachine.profile with no device: it keeps
+    what infer was asked and answers with profile records and per-run lines."""
+
+    _closed = False
+
+    def __init__(self):
+        from dspx.host.client import LoadedModule
+        self.module = LoadedModule(7, 0, 0, 0, 0, 1, 1, 0)
+        self.calls = []
+
+    def load_module(self, elf):
+        return self.module
+
+    def unload_module(self, handle):
+        pass
+
+    def infer(self, handle, inputs, **kw):
+        from dspx.host.client import InferResult
+        self.calls.append((handle, inputs, kw))
+        text = ("run 0: 900 cycles\nrun 1: 1100 cycles\nhello\n"
+                "#dspx-profile\t1\truns=2\tentry_cycles=2000\trows=1\tdropped=0\n"
+                "#dspx-profile-row\ttvm\tfused_add\t2x2,2x2\t2\t1500\n")
+        return InferResult(1000, [], text)
+
+
+def test_vm_profile_binds_inputs_and_reads_the_report_without_a_device(tmp_path, capsys):
+    """The call VirtualMachine.profile makes, on a stand-in client: inputs
+    bound by the signature (a list becomes the declared dtype — the path
+    that once imported a helper that did not exist), PROFILE with the repeat,
+    the per-run lines dropped from the printf shown, last_cycles set."""
+    (tmp_path / "model.so").write_bytes(b"\x7fELF")
+    (tmp_path / "metadata.json").write_text(
+        '{"inputs": [{"name": "x", "shape": [2, 2], "dtype": "float32"}], '
+        '"outputs": [{"name": "y", "shape": [2, 2], "dtype": "float32"}]}')
+    c = _ProfilingClient()
+    vm = VirtualMachine(tmp_path, client=c)
+    rep = profile(vm, [[1, 2], [3, 4]], runs=2)
+    (handle, (x,), kw), = c.calls
+    assert handle == 7 and x.dtype == np.float32 and x.shape == (2, 2)
+    assert kw == {"model_id": 0, "repeat": 2, "profile": True}
+    assert (rep.runs, rep.entry_cycles, [(r.name, r.calls, r.share) for r in rep.rows]) == (
+        2, 2000, [("fused_add", 2, 0.75)])
+    assert rep.printf == "hello\n" and capsys.readouterr().err == "hello\n"
+    assert vm.last_cycles == 1000
+    with pytest.raises(ValueError):
+        vm.profile(x, runs=0)
+    vm.close()

@@ -114,10 +114,14 @@ def test_every_leg_has_its_track(traced):
     by_proc = defaultdict(set)
     for (pid, tid), evs in tracks.items():
         by_proc[names[pid]].update(e["name"] for e in evs)
-    assert {"encode", "copy-in", "send", "wait", "vm['main'] (infer + copy-out)"} <= by_proc["host"]
-    assert {"receive", "validate INFER", "validate RPC", "queue", "to core", "respond"} <= by_proc["device front"]
+    # every span site of each side (docs/profiling.md's table), so a hook left off shows here
+    assert {"encode", "encode (layout)", "copy-in", "sync read", "send", "wait", "infer", "load module",
+            "request PING", "submit task", "wait task", "vm['main'] (infer + copy-out)"} <= by_proc["host"]
+    assert {"receive", "core message", "validate INFER", "validate RPC", "queue", "to core",
+            "respond"} <= by_proc["device front"]
     core = by_proc["device core 0"]
-    assert {"call job", "entry main", "tile 0", "tile 7"} <= core, core
+    assert {"call job", "job LoadModule", "op 0x2402", "op 0x1402", "dma wait ch0", "entry main", "tile 0",
+            "tile 7"} <= core, core
     assert any(not n.startswith(("vm.", "tile", "dma", "job", "call",
                                                                                       "entry")) for n in core)
     dma = [k for k, v in threads.items() if v.startswith("dma channel")]
@@ -175,3 +179,40 @@ def test_native_op_dma_is_stamped_on_the_same_clock(traced):
     native = [e for k, v in threads.items() if v.endswith("(native)") for e in tracks[k]]
     assert len(native) >= 4 and all(e["args"]["bytes"] > 0 for e in native)
     assert all(op["ts"] <= e["ts"] and _end(e) <= _end(op) for e in native), op
+
+
+def test_the_recorder_imports_nothing_else_of_dspx():
+    """dspx.trace is the bottom of every side: host, front and core record
+    through it, so it must reach none of them (no import of dspx at all)."""
+    import ast
+
+    import dspx.trace
+
+    tree = ast.parse(Path(dspx.trace.__file__).read_text())
+    imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not [n for n in imports if isinstance(n, ast.ImportFrom) and n.level], "a relative import"
+    names = [a.name for n in imports if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in imports if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in names if m.split(".")[0] == "dspx"], names
+
+
+def test_an_untraced_process_is_off_and_a_traced_one_on(tmp_path):
+    """Without DSPX_TRACE nothing starts a recorder (every span's site tests
+    trace.on, so none records); with it, importing dspx.host starts the
+    host's, and the classes keep their own methods (nothing is patched)."""
+    code = ("import dspx.host, dspx.host.vm as vm, dspx.host.client as client, dspx.trace as t\n"
+            "from dspx.device.core import runtime, worker\n"
+            "from dspx.device.front import loop\n"
+            "fns = [client.Client.infer, client.Client._send_bytes, vm.VirtualMachine.__getitem__,"
+            " runtime.DmaEngine.wait, runtime.DmaEngine._do_copy, worker.CoreWorker.call, loop.Service._on_conn]\n"
+            "print(t.on, t.recorder() is None, *{f.__code__.co_filename.rsplit('/', 1)[1] for f in fns})")
+    env = {k: v for k, v in os.environ.items() if k != "DSPX_TRACE"}
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert off.returncode == 0, off.stderr
+    files = {"client.py", "vm.py", "runtime.py", "worker.py", "loop.py"}  # where each is written: not trace.py
+    assert off.stdout.split()[:2] == ["False", "True"] and set(off.stdout.split()[2:]) == files
+    env["DSPX_TRACE"] = str(tmp_path / "t.json")
+    on = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert on.returncode == 0, on.stderr
+    assert on.stdout.split()[:2] == ["True", "False"] and set(on.stdout.split()[2:]) == files
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]  # merged at exit: the host's metadata

@@ -16,6 +16,8 @@ import os
 import stat
 from dataclasses import dataclass
 
+from . import trace
+
 # Defaults of docs/protocol.md (all configurable).
 CARVEOUT_BASE = 0xC000_0000
 CARVEOUT_SIZE = 512 << 20
@@ -155,6 +157,7 @@ class DmaBuf:
         self.synced = {"read": 0, "write": 0}  # bytes covered by completed syncs
         self.sync_calls = 0
         self._syncing: int | None = None
+        self._trace_t0 = 0  # begin_cpu_access's time while the process traces (dspx.trace)
 
     # DMA_BUF_IOCTL_SYNC: whole-buffer granularity, like the real ioctl.
     def sync(self, flags: int) -> None:
@@ -174,10 +177,14 @@ class DmaBuf:
             self._syncing = direction
 
     def begin_cpu_access(self, direction: int) -> None:
+        if trace.on:  # the host's copy-in (or sync read) lasts until end_cpu_access
+            self._trace_t0 = trace.clock()
         self.sync(SYNC_START | direction)
 
     def end_cpu_access(self, direction: int) -> None:
         self.sync(SYNC_END | direction)
+        if trace.on and self._trace_t0:
+            trace.complete("copy-in" if direction == SYNC_WRITE else "sync read", self._trace_t0, "host")
 
     def array(self, offset: int, shape, dtype):
         import numpy as np

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import memory
+from .. import memory, trace
 from ..abi.protocol import DEFAULT_JOB_TIMEOUT_S
 from ..transport import TransportError, default_socket_path
 from .front.loop import Service
@@ -33,8 +33,7 @@ def main(argv=None) -> int:
                     help="window bytes one connection may attach (default: 3/4 of the carveout window)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
-    from .. import trace  # DSPX_TRACE: record the front's timeline (docs/profiling.md)
-    trace.install_front()
+    trace.start_from_env("device front", 1, "front loop")  # DSPX_TRACE: the front's timeline (docs/profiling.md)
     if a.cores < 1:
         ap.error("--cores must be at least 1")
     from ..log import printer  # the host's logging setup; the level from $DSPX_LOG_LEVEL (dspx -v / --log-level)

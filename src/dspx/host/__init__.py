@@ -1,4 +1,4 @@
 """Host side: what applications import."""
-from .. import trace as _trace
+from . import tracing as _tracing
 
-_trace.host_from_env()  # DSPX_TRACE=out.json traces any host program (docs/profiling.md)
+_tracing.host_from_env()  # DSPX_TRACE=out.json traces any host program (docs/profiling.md)

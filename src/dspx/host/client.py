@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import memory
+from .. import memory, trace
 from ..abi import layout, protocol as P
 from ..errors import (CapacityError, ClosedError, DeviceError, DeviceLost, DeviceTimeout, DspxError,
                       VersionMismatch)
@@ -68,7 +68,7 @@ class Client:
         0 means none at all."""
         self.timeout = timeout
         self.session = Session()
-        self._infer_plans: dict = {}  # layouts of recent inferences (see infer)
+        self._infer_layouts: dict = {}  # layouts of recent inferences (see _layout)
         self._lock = threading.RLock()
         self.device: launcher.PrivateDevice | None = None
         path, self.device = launcher.resolve(socket, cores=cores, extra_args=device_args)
@@ -164,21 +164,26 @@ class Client:
         return self._send_bytes(self.session.start(msg), msg.seq, msg.NAME, fds)
 
     def _send_bytes(self, data, seq: int, name: str, fds=()) -> int:
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                if fds:
-                    _socket.send_fds(self.ep.sock, [data], list(fds), _socket.MSG_DONTWAIT)
-                else:
-                    self.ep.sock.send(data, _socket.MSG_DONTWAIT)
-                return seq
-            except BlockingIOError:
-                # The device stops reading a connection that leaves its
-                # responses unread (flow control): take them now, keep them
-                # for their waiters, and try again — never block for ever.
-                self._drain_for_send(deadline, name)
-            except (BrokenPipeError, ConnectionResetError) as e:
-                raise DeviceLost(f"device closed the connection: {e.strerror}") from None
+        t0 = trace.clock() if trace.on else 0
+        try:
+            deadline = time.monotonic() + self.timeout
+            while True:
+                try:
+                    if fds:
+                        _socket.send_fds(self.ep.sock, [data], list(fds), _socket.MSG_DONTWAIT)
+                    else:
+                        self.ep.sock.send(data, _socket.MSG_DONTWAIT)
+                    return seq
+                except BlockingIOError:
+                    # The device stops reading a connection that leaves its
+                    # responses unread (flow control): take them now, keep them
+                    # for their waiters, and try again — never block for ever.
+                    self._drain_for_send(deadline, name)
+                except (BrokenPipeError, ConnectionResetError) as e:
+                    raise DeviceLost(f"device closed the connection: {e.strerror}") from None
+        finally:
+            if t0:
+                trace.complete("send", t0, "host")
 
     def _drain_for_send(self, deadline: float, request: str) -> None:
         import select
@@ -212,22 +217,27 @@ class Client:
     def wait(self, seq: int, timeout: float | None = None, request: str = "") -> P.Message:
         """The response to ``seq``; responses to other requests that arrive
         meanwhile are kept for their own waiters."""
-        timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if not self._lock.acquire(timeout=max(0.0, left)):
-                raise DeviceTimeout(f"no response to {request or 'request'} within {timeout:.3g} s")
-            try:
-                resp = self.session.take(seq)
-                if resp is not None:
-                    return resp
+        t0 = trace.clock() if trace.on else 0
+        try:
+            timeout = self.timeout if timeout is None else timeout
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if not self._lock.acquire(timeout=max(0.0, left)):
+                    raise DeviceTimeout(f"no response to {request or 'request'} within {timeout:.3g} s")
                 try:
-                    self._receive(max(0.0, deadline - time.monotonic()))
-                except Timeout:
-                    raise DeviceTimeout(f"no response to {request or 'request'} within {timeout:.3g} s") from None
-            finally:
-                self._lock.release()
+                    resp = self.session.take(seq)
+                    if resp is not None:
+                        return resp
+                    try:
+                        self._receive(max(0.0, deadline - time.monotonic()))
+                    except Timeout:
+                        raise DeviceTimeout(f"no response to {request or 'request'} within {timeout:.3g} s") from None
+                finally:
+                    self._lock.release()
+        finally:
+            if t0:
+                trace.complete("wait", t0, "host", {"seq": seq})
 
     def _lost_message(self) -> str:
         msg = "the device closed the connection (it exited or was killed)"
@@ -250,8 +260,13 @@ class Client:
         raise failure(resp, request, error)
 
     def request(self, msg: P.Message, fds=(), timeout: float | None = None) -> P.Message:
-        resp = self.wait(self.send(msg, fds), timeout, msg.NAME)
-        return resp if resp.status == 0 else self.check(resp, msg.NAME)
+        t0 = trace.clock() if trace.on else 0
+        try:
+            resp = self.wait(self.send(msg, fds), timeout, msg.NAME)
+            return resp if resp.status == 0 else self.check(resp, msg.NAME)
+        finally:
+            if t0:
+                trace.complete(f"request {msg.NAME}", t0, "host", top=True)
 
     # ---------------------------------------------------------------- basics
     def ping(self) -> dict:
@@ -329,28 +344,38 @@ class Client:
         return n
 
     def load_module(self, elf: bytes) -> LoadedModule:
-        n = self._stage(elf, "module")
-        r = self.request(P.DynLoad(elf_size=n))
-        short = []
-        for side, want in self.session.io.declare(r.io_input_bytes, r.io_output_bytes, r.io_num_inputs):
-            try:
-                self._grow(side, want)
-            except (DeviceLost, DeviceTimeout):
-                raise
-            except (DeviceError, OSError, ValueError, OverflowError) as e:  # advisory: keep what could be had
-                short.append((side, want, getattr(e, "status_name", None) or str(e)))
-        if short:
-            warnings.warn(self.session.io.unmet(short), stacklevel=2)
-        return LoadedModule(r.module_handle, r.text_size, r.data_size, r.io_input_bytes, r.io_output_bytes,
-                            r.io_num_inputs, r.io_num_outputs, r.io_flags)
+        t0 = trace.clock() if trace.on else 0
+        try:
+            n = self._stage(elf, "module")
+            r = self.request(P.DynLoad(elf_size=n))
+            short = []
+            for side, want in self.session.io.declare(r.io_input_bytes, r.io_output_bytes, r.io_num_inputs):
+                try:
+                    self._grow(side, want)
+                except (DeviceLost, DeviceTimeout):
+                    raise
+                except (DeviceError, OSError, ValueError, OverflowError) as e:  # advisory: keep what could be had
+                    short.append((side, want, getattr(e, "status_name", None) or str(e)))
+            if short:
+                warnings.warn(self.session.io.unmet(short), stacklevel=2)
+            return LoadedModule(r.module_handle, r.text_size, r.data_size, r.io_input_bytes, r.io_output_bytes,
+                                r.io_num_inputs, r.io_num_outputs, r.io_flags)
+        finally:
+            if t0:
+                trace.complete("load module", t0, "host", top=True)
 
     def unload_module(self, handle: int) -> None:
         self.request(P.DynUnload(module_handle=handle))
 
     def load_weights(self, data: bytes) -> tuple[int, int]:
-        n = self._stage(data, "weights")
-        r = self.request(P.ModelLoad(weights_size=n))
-        return r.model_id, r.num_constants
+        t0 = trace.clock() if trace.on else 0
+        try:
+            n = self._stage(data, "weights")
+            r = self.request(P.ModelLoad(weights_size=n))
+            return r.model_id, r.num_constants
+        finally:
+            if t0:
+                trace.complete("load weights", t0, "host", top=True)
 
     def unload_weights(self, model_id: int) -> None:
         self.request(P.ModelUnload(model_id=model_id))
@@ -406,47 +431,70 @@ class Client:
         are ``(index, kv_offset, shape, dtype)`` for inputs that live in the
         KV region.  Returns descriptors of outputs in output_buf.  ``profile``:
         FLAG_PROFILE; the printf text (with the profile records) is returned,
-        not shown (dspx.host.profile reads it)."""
-        if self._closed:
-            raise ClosedError("this Client is closed")
-        if kv_inputs or kv_resident:
-            self._need_staging(kv=True)
+        not shown (VirtualMachine.profile reads it)."""
+        t0 = trace.clock() if trace.on else 0
+        try:
+            if self._closed:
+                raise ClosedError("this Client is closed")
+            if kv_inputs or kv_resident:
+                self._need_staging(kv=True)
+            dsts, table, request, name = self._layout(handle, inputs, model_id, repeat, kv_resident, kv_inputs,
+                                                      profile)
+            ib = self.input_buf
+            ib.begin_cpu_access(memory.SYNC_WRITE)
+            for dst, i in dsts:
+                np.copyto(dst, inputs[i])
+            if table:
+                ib.mm[:len(table)] = table
+            ib.end_cpu_access(memory.SYNC_WRITE)
+            if trace.on:
+                with trace.span("encode", "host"):
+                    seq = self.session.start_bytes(request)
+            else:
+                seq = self.session.start_bytes(request)
+            resp = self.wait(self._send_bytes(request, seq, name), timeout, name)
+            r = resp if resp.status == 0 else self.check(resp, name)
+            ob = self.output_buf
+            ob.begin_cpu_access(memory.SYNC_READ)
+            out_descs = r.descs
+            if r.descs_size:
+                off = r.descs_addr - ob.dsp_addr
+                out_descs = P.decode_descs(ob.mm, r.num_outputs, off)
+            ob.end_cpu_access(memory.SYNC_READ)
+            self.session.io.completed(r)
+            text = (self.read_printf() if r.printf_size else "") if profile else self.show_printf(r.printf_size)
+            return InferResult(r.cycles, out_descs, text)
+        finally:
+            if t0:
+                trace.complete("infer", t0, "host", {"module": handle, "kv_resident": bool(kv_resident),
+                                                      "input_bytes": sum(getattr(x, "nbytes", 0) for x in inputs)},
+                               top=True)
+
+    def _layout(self, handle, inputs, model_id, repeat, kv_resident, kv_inputs, profile) -> tuple:
+        """(copies as (input_buf view, input index), descriptor table, encoded
+        request, its name) for one inference.  A call shaped like an earlier
+        one (same module, same io buffers, same input placement) reuses its
+        layout and encoded request."""
         io = self.session.io
         offsets = [self.in_input_buf(a) for a in inputs]
-        # A call shaped like an earlier one (same module, same io buffers, same
-        # input placement) reuses its layout and encoded request.
         key = (handle, model_id, repeat, kv_resident, profile, tuple(kv_inputs), io.state(),
                tuple(zip(offsets, [a.shape for a in inputs], [a.dtype for a in inputs])))
-        cached = self._infer_plans.get(key)
-        ib = self.input_buf
+        cached = self._infer_layouts.get(key)
         if cached is None:
-            plan = io.plan_infer(handle, inputs, offsets, model_id, repeat, kv_resident, kv_inputs, profile)
+            args = (handle, inputs, offsets, model_id, repeat, kv_resident, kv_inputs, profile)
+            if trace.on:
+                with trace.span("encode (layout)", "host"):
+                    lay = io.plan_infer(*args)
+            else:
+                lay = io.plan_infer(*args)
+            ib = self.input_buf
             copied = [i for i, off in enumerate(offsets) if off is None]
-            cached = ([(ib.array(off, a.shape, a.dtype), i) for (off, a), i in zip(plan.copies, copied)],
-                      plan.table, bytearray(plan.message.encode()), plan.message.NAME)
-            if len(self._infer_plans) >= 16:
-                self._infer_plans.clear()
-            self._infer_plans[key] = cached
-        dsts, table, request, name = cached
-        ib.begin_cpu_access(memory.SYNC_WRITE)
-        for dst, i in dsts:
-            np.copyto(dst, inputs[i])
-        if table:
-            ib.mm[:len(table)] = table
-        ib.end_cpu_access(memory.SYNC_WRITE)
-        seq = self.session.start_bytes(request)
-        resp = self.wait(self._send_bytes(request, seq, name), timeout, name)
-        r = resp if resp.status == 0 else self.check(resp, name)
-        ob = self.output_buf
-        ob.begin_cpu_access(memory.SYNC_READ)
-        out_descs = r.descs
-        if r.descs_size:
-            off = r.descs_addr - ob.dsp_addr
-            out_descs = P.decode_descs(ob.mm, r.num_outputs, off)
-        ob.end_cpu_access(memory.SYNC_READ)
-        self.session.io.completed(r)
-        text = (self.read_printf() if r.printf_size else "") if profile else self.show_printf(r.printf_size)
-        return InferResult(r.cycles, out_descs, text)
+            cached = ([(ib.array(off, a.shape, a.dtype), i) for (off, a), i in zip(lay.copies, copied)],
+                      lay.table, bytearray(lay.message.encode()), lay.message.NAME)
+            if len(self._infer_layouts) >= 16:
+                self._infer_layouts.clear()
+            self._infer_layouts[key] = cached
+        return cached
 
     def output_view(self, desc: P.TensorDesc):
         """A numpy view of one output in output_buf (valid until the next inference)."""

@@ -82,8 +82,8 @@ def generate(prompt, max_tokens, raw, model_dir, gguf, temperature, top_k, top_p
              stop, max_time, context, kv_dtype, non_resident, socket, as_json, trace_path):
     """Answer PROMPT with the language model on the device, streaming the text."""
     if trace_path:
-        from .. import trace
-        trace.start_host(trace_path)  # before the device starts: a private one inherits DSPX_TRACE
+        from . import tracing
+        tracing.start_host(trace_path)  # before the device starts: a private one inherits DSPX_TRACE
     from ..llm import LLMError
     from ..errors import DspxError
     from .llm import Generator

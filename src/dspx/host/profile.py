@@ -1,20 +1,18 @@
-"""Per-layer profile of a compiled module on the device.
+"""The report of a per-layer profile (like TVM's ``Report``).
 
-    report = profile(vm, x)            # or vm.profile(x)
+    report = vm.profile(x)             # VirtualMachine.profile makes the call
     print(report)                      # table sorted by time, share of total
     report.json()                      # {"entry_cycles":…, "rows": […]}
 
-One INFER with the PROFILE flag (docs/protocol.md, "Profile records"): the
-core runs the entry on an instrumented copy of the module's VM, timing every
-call it makes — firmware kernels (``dspx.kernels.*``), the module's compiled
-TVM functions, VM built-ins — on its cycle clock, and writes one row per call
-site to the printf ring, which this module parses.
+The call is one INFER with the PROFILE flag (docs/protocol.md, "Profile
+records"): the core runs the entry on an instrumented copy of the module's
+VM, timing every call it makes — firmware kernels (``dspx.kernels.*``), the
+module's compiled TVM functions, VM built-ins — on its cycle clock, and
+writes one row per call site to the printf ring, which ``parse`` reads.
 """
 from __future__ import annotations
 
 import json
-import re
-import sys
 from dataclasses import asdict, dataclass, field
 
 from ..abi.protocol import PROFILE_PREFIX
@@ -114,26 +112,9 @@ def parse(text: str) -> ProfileReport:
 
 
 def profile(vm, *inputs, runs: int = 1, fn: str | None = None, **named) -> ProfileReport:
-    """Run ``vm``'s entry (or ``fn``) once per run with every call timed on
-    the device; inputs as for ``vm[fn](...)``."""
-    if not 1 <= runs <= 0xFFFF:
-        raise ValueError(f"runs must be 1..65535, got {runs}")
-    fn = fn or vm.entry
-    if hasattr(vm, "_entry"):  # a VirtualMachine with input binding by signature
-        from . import inputs as _inputs
-        e = vm._entry(fn)
-        handle, arrays = e.module.handle, _inputs.bind(e.inputs, inputs, named, fn)
-    else:
-        from .vm import _as_numpy
-        handle, arrays = vm.handle, [_as_numpy(x) for x in inputs]
-    res = vm.client.infer(handle, arrays, model_id=vm.model_id, repeat=runs if runs > 1 else 0, profile=True)
-    rep = parse(res.printf)
-    if runs > 1:  # the per-run lines are the repeat's, not the user's printf
-        rep.printf = re.sub(r"^run \d+: \d+ cycles\n", "", rep.printf, flags=re.M)
-    if rep.printf:
-        sys.stderr.write(rep.printf)
-    vm.last_cycles = res.cycles
-    return rep
+    """``vm.profile(...)`` as a function: the call is the VirtualMachine's
+    (it binds the inputs by its signature), this module reads the report."""
+    return vm.profile(*inputs, runs=runs, fn=fn, **named)
 
 
 __all__ = ["ProfileReport", "ProfileRow", "parse", "profile"]

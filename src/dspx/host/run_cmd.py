@@ -84,8 +84,8 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
     if specs:  # checked before a device is even opened (the call binds them again: cheap)
         args, named = bind(specs, args, named, meta.get("entry", "main")), {}
     if trace_path:
-        from .. import trace
-        trace.start_host(trace_path)  # before the device starts: a private one inherits DSPX_TRACE
+        from . import tracing
+        tracing.start_host(trace_path)  # before the device starts: a private one inherits DSPX_TRACE
     report = None
     with VirtualMachine(module, socket=socket) as vm:
         private = vm.client.device is not None
@@ -114,7 +114,7 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
             from .profile import profile
             report = profile(vm, *args, runs=max(1, repeat), **named)
     if trace_path:
-        click.echo(f"trace: {trace.finish()}", err=True)
+        click.echo(f"trace: {tracing.finish()}", err=True)
     result = {"status": "ok", "num_outputs": len(outs), "outputs": descs, "cycles": cycles,
               "time_ms": _ms(cycles), "clock": CLOCK, "private_device": private}
     if output:

@@ -72,7 +72,7 @@ def failure(resp: P.Message, request: str, error: P.GetErrorResp | None = None) 
 
 
 @dataclass
-class InferPlan:
+class InferLayout:
     """What the client does for one inference: copy each ``(offset, array)``
     into input_buf, write ``table`` at input_buf's start, send ``message``."""
 
@@ -152,7 +152,7 @@ class IoCapacity:
         return off
 
     def plan_infer(self, handle: int, inputs, in_place, model_id: int = 0, repeat: int = 0,
-                   kv_resident: bool = False, kv_inputs=(), profile: bool = False) -> InferPlan:
+                   kv_resident: bool = False, kv_inputs=(), profile: bool = False) -> InferLayout:
         """Lay out one inference.  ``inputs`` are arrays, ``in_place`` their
         offsets in input_buf (None: not there, copy it); ``kv_inputs`` are
         ``(index, kv_offset, shape, dtype)`` for inputs in the KV region.
@@ -189,8 +189,8 @@ class IoCapacity:
                       input_dsp_addr=base, input_size=self.input,
                       result_dsp_addr=self.dsp_addr["output"], result_size=self.output)
         if not large:
-            return InferPlan(copies, b"", P.Infer(**fields, descs=descs))
-        return InferPlan(copies, P.encode_descs(descs), P.InferLarge(**fields, descs_addr=base, descs_size=table))
+            return InferLayout(copies, b"", P.Infer(**fields, descs=descs))
+        return InferLayout(copies, P.encode_descs(descs), P.InferLarge(**fields, descs_addr=base, descs_size=table))
 
     def completed(self, resp) -> None:
         """A successful inference response: outputs handed back lock capacity."""

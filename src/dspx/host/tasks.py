@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import memory
+from .. import memory, trace
 from ..abi import protocol as P
 from ..abi import ops
 from ..abi.ops import SOFTMAX_CMD, SOFTMAX_PARAM  # noqa: F401  (re-exported for the UCP flow)
@@ -101,40 +101,50 @@ class Tasks:
         return Task(cmd, input_mem, output_mem)
 
     def submit(self, task: Task, core: int = ANY, priority: int = 0, timeout_ms: int = 0) -> Task:
-        if task.state != "created":
-            raise DspxError(f"task is {task.state}; create a new one with rpc()")
-        if not 0 <= priority <= 255:
-            raise ValueError(f"priority {priority} outside 0..255")
-        for m in (task.input, task.output):  # the device reads what the host wrote
-            m.buf.begin_cpu_access(memory.SYNC_WRITE)
-            m.buf.end_cpu_access(memory.SYNC_WRITE)
-        task.seq = self.client.send(P.Rpc(cmd=task.cmd, core=core, priority=priority, timeout_ms=timeout_ms,
-                                          input_dsp_addr=task.input.phy, input_size=task.input.size,
-                                          output_dsp_addr=task.output.phy, output_size=task.output.size))
-        task.state = "submitted"
-        return task
+        t0 = trace.clock() if trace.on else 0
+        try:
+            if task.state != "created":
+                raise DspxError(f"task is {task.state}; create a new one with rpc()")
+            if not 0 <= priority <= 255:
+                raise ValueError(f"priority {priority} outside 0..255")
+            for m in (task.input, task.output):  # the device reads what the host wrote
+                m.buf.begin_cpu_access(memory.SYNC_WRITE)
+                m.buf.end_cpu_access(memory.SYNC_WRITE)
+            task.seq = self.client.send(P.Rpc(cmd=task.cmd, core=core, priority=priority, timeout_ms=timeout_ms,
+                                              input_dsp_addr=task.input.phy, input_size=task.input.size,
+                                              output_dsp_addr=task.output.phy, output_size=task.output.size))
+            task.state = "submitted"
+            return task
+        finally:
+            if t0:
+                trace.complete("submit task", t0, "host", top=True)
 
     def wait(self, task: Task, timeout_ms: int = 30_000) -> Task:
         """Block until the task is done (raises its typed error if it failed)."""
-        if task.state in ("done", "failed"):
-            if task.error:
-                raise task.error
-            return task
-        if task.state != "submitted":
-            raise DspxError(f"task is {task.state}; submit it first")
-        resp = self.client.wait(task.seq, timeout_ms / 1000, f"RPC 0x{task.cmd:x}")
-        task.printf = self.client.show_printf(resp.printf_size)
-        task.return_value, task.cycles, task.core, task.queued_us = (resp.return_value, resp.cycles, resp.core,
-                                                                     resp.queued_us)
-        task.output.buf.begin_cpu_access(memory.SYNC_READ)
-        task.output.buf.end_cpu_access(memory.SYNC_READ)
+        t0 = trace.clock() if trace.on else 0
         try:
-            self.client.check(resp, f"RPC 0x{task.cmd:x}")
-        except DspxError as e:
-            task.state, task.error = "failed", e
-            raise
-        task.state = "done"
-        return task
+            if task.state in ("done", "failed"):
+                if task.error:
+                    raise task.error
+                return task
+            if task.state != "submitted":
+                raise DspxError(f"task is {task.state}; submit it first")
+            resp = self.client.wait(task.seq, timeout_ms / 1000, f"RPC 0x{task.cmd:x}")
+            task.printf = self.client.show_printf(resp.printf_size)
+            task.return_value, task.cycles, task.core, task.queued_us = (resp.return_value, resp.cycles, resp.core,
+                                                                         resp.queued_us)
+            task.output.buf.begin_cpu_access(memory.SYNC_READ)
+            task.output.buf.end_cpu_access(memory.SYNC_READ)
+            try:
+                self.client.check(resp, f"RPC 0x{task.cmd:x}")
+            except DspxError as e:
+                task.state, task.error = "failed", e
+                raise
+            task.state = "done"
+            return task
+        finally:
+            if t0:
+                trace.complete("wait task", t0, "host", top=True)
 
     def release(self, task: Task) -> None:
         if task.state == "submitted":

@@ -21,14 +21,17 @@ import io
 import json
 import re
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .. import trace
 from ..errors import ClosedError, DspxError
 from . import inputs as _inputs
 from .client import Client
+from .profile import ProfileReport, parse as parse_profile
 
 # The device's clock for INFER cycles: 1 GHz nominal, one cycle per nanosecond
 # of the entry call (device/core/inference.py).
@@ -142,7 +145,12 @@ class VirtualMachine:
         self._entry(name)
 
         def call(*args, **named):
-            outs = [np.array(v, copy=True) for v in self._run(args, named, fn=name)]
+            t0 = trace.clock() if trace.on else 0
+            try:
+                outs = [np.array(v, copy=True) for v in self._run(args, named, fn=name)]
+            finally:
+                if t0:
+                    trace.complete(f"vm[{name!r}] (infer + copy-out)", t0, "host", top=True)
             return outs[0] if len(outs) == 1 else outs
         call.__name__ = name
         return call
@@ -224,10 +232,27 @@ class VirtualMachine:
             raise DspxError(f"the device reported {len(runs)} run times for {n} runs")
         return runs
 
-    def profile(self, *inputs, **named):
-        """Per-operator device times of one call (``dspx.host.profile``)."""
-        from .profile import profile
-        return profile(self, *inputs, **named)
+    def profile(self, *inputs, runs: int = 1, fn: str | None = None, **named) -> ProfileReport:
+        """Per-operator device times of one call of ``fn`` (the entry by
+        default), run ``runs`` times with every call timed on the device;
+        inputs as for ``vm[fn](...)``.  One INFER with the PROFILE flag
+        (docs/protocol.md, "Profile records"): the core runs the entry on an
+        instrumented copy of the module's VM and writes one row per call site
+        to the printf ring, which ``dspx.host.profile`` reads into the report."""
+        if not 1 <= runs <= 0xFFFF:
+            raise ValueError(f"runs must be 1..65535, got {runs}")
+        fn = fn or self.entry
+        e = self._entry(fn)
+        arrays = _inputs.bind(e.inputs, inputs, named, fn)
+        res = self.client.infer(e.module.handle, arrays, model_id=self.model_id, repeat=runs if runs > 1 else 0,
+                                profile=True)
+        rep = parse_profile(res.printf)
+        if runs > 1:  # the per-run lines are the repeat's, not the user's printf
+            rep.printf = re.sub(r"^run \d+: \d+ cycles\n", "", rep.printf, flags=re.M)
+        if rep.printf:
+            sys.stderr.write(rep.printf)
+        self.last_cycles = res.cycles
+        return rep
 
     def create_input(self, shape, dtype="float32") -> np.ndarray:
         self._entry(self.entry)

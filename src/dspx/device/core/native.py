@@ -33,6 +33,7 @@ import signal
 import numpy as np
 from elftools.elf.elffile import ELFFile
 
+from ... import trace
 from ...abi.protocol import Status
 from . import probe
 from .errors import OpLoadError, OpSymbolError, RuntimeBroken
@@ -46,6 +47,7 @@ ALLOWED_FINI = frozenset({"__do_global_dtors_aux"})
 PROBE_TIMEOUT_S = 10
 MAX_OPS = 256
 TEXT_CAP = 256 << 10
+DMA_TRACE_CAP = 4096  # transfers per channel the shim keeps for the trace (TRACE_CAP in runtime.c)
 R_X86_64_RELATIVE = 8
 
 
@@ -205,6 +207,8 @@ def shim() -> ctypes.CDLL:
         lib.dspx_rt_symbol_name.argtypes, lib.dspx_rt_symbol_name.restype = [P, ctypes.c_char_p, I], U64
         lib.dspx_rt_check.argtypes, lib.dspx_rt_check.restype = [P, I], I
         lib.dspx_rt_broken.argtypes, lib.dspx_rt_broken.restype = [P], ctypes.c_char_p
+        lib.dspx_rt_take_dma.argtypes = [P, ctypes.c_int32, ctypes.POINTER(U64), SZ, ctypes.POINTER(ctypes.c_int64)]
+        lib.dspx_rt_take_dma.restype = SZ
         _shim = lib
     return _shim
 
@@ -238,11 +242,26 @@ class Context:
         fault = rt.dspx_rt_run(self.ptr, fn, input.__array_interface__["data"][0], input.nbytes,
                                output.__array_interface__["data"][0], output.nbytes,
                                ctypes.byref(self._rv), ctypes.byref(self._cycles))
+        if trace.on:
+            self._trace_dma(rt)
         n = rt.dspx_rt_take_text(self.ptr, self._text, TEXT_CAP, ctypes.byref(self._dropped))
         text = self._text.raw[:n].decode("utf-8", "replace") if n else ""
         if self._dropped.value:
             text = f"[dspx] printf: {self._dropped.value} earlier bytes dropped\n" + text
         return fault, self._rv.value, self._cycles.value, text
+
+    def _trace_dma(self, rt) -> None:
+        """The task's transfers, which the shim's DMA threads stamp with
+        CLOCK_MONOTONIC while DSPX_TRACE is set (the last DMA_TRACE_CAP per
+        channel): each onto its channel's track of the timeline."""
+        buf, tid = (ctypes.c_uint64 * (3 * DMA_TRACE_CAP))(), ctypes.c_int64()
+        rec = trace.recorder()
+        for ch in range(2):
+            n = rt.dspx_rt_take_dma(self.ptr, ch, buf, DMA_TRACE_CAP, ctypes.byref(tid))
+            if n:
+                rec.name_thread(f"dma channel {ch} (native)", tid.value)
+            for i in range(n):
+                rec.complete("dma copy", buf[3 * i], buf[3 * i + 1], "dma", {"bytes": buf[3 * i + 2]}, tid.value)
 
     def broken(self, check: bool = False) -> str:
         """What the last task (or, with check, anything since) broke in the

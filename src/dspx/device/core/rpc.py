@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import memory
+from ... import memory, trace
 from ...abi import layout, protocol as P
 from ...abi.ops import FAULT_CRASH_CMD
 from ...abi.protocol import Status
@@ -44,7 +44,11 @@ class PreparedRpc:
         (the last printf line says why) that the response carries too."""
         core_ops = core.ops
         task = runtime.TaskContext(self.space, core_ops.rt, printf_limit=self.printf_limit)
-        res = core_ops.registry.run(self.spec.cmd, self.inp, self.out, task)
+        if trace.on:
+            with trace.span(f"op 0x{self.spec.cmd:04x}", "core"):
+                res = core_ops.registry.run(self.spec.cmd, self.inp, self.out, task)
+        else:
+            res = core_ops.registry.run(self.spec.cmd, self.inp, self.out, task)
         answer = (res, core.index, core.write_printf(self.spec.printf, res.printf))
         if res.status == Status.SUCCESS:
             return Outcome(answer=answer)

@@ -247,21 +247,26 @@ class DmaEngine:
 
     def wait(self, channel: int, timeout: float | None = None) -> None:
         """Block until every copy queued on the channel has completed."""
-        ch = self._channel(channel)
-        pending = self._pending[ch]
-        if not pending:
-            raise DmaError(f"dma.wait({ch}) with nothing in flight on channel {ch}")
-        limit = self.timeout if timeout is None else timeout
-        if not pending[-1].done.acquire(timeout=limit):  # FIFO per channel: the last done means all done
-            raise DmaTimeout(f"DMA channel {ch}: {len(pending)} copies not complete after {limit} s")
-        self._pending[ch] = []
-        error = None
-        for job in pending:
-            for t in job.tiles:
-                self.tm.unpin(t)
-            error = error or job.error
-        if error is not None:
-            raise DmaError(f"a copy on DMA channel {ch} failed: {error!r}") from error
+        t0 = trace.clock() if trace.on else 0
+        try:
+            ch = self._channel(channel)
+            pending = self._pending[ch]
+            if not pending:
+                raise DmaError(f"dma.wait({ch}) with nothing in flight on channel {ch}")
+            limit = self.timeout if timeout is None else timeout
+            if not pending[-1].done.acquire(timeout=limit):  # FIFO per channel: the last done means all done
+                raise DmaTimeout(f"DMA channel {ch}: {len(pending)} copies not complete after {limit} s")
+            self._pending[ch] = []
+            error = None
+            for job in pending:
+                for t in job.tiles:
+                    self.tm.unpin(t)
+                error = error or job.error
+            if error is not None:
+                raise DmaError(f"a copy on DMA channel {ch} failed: {error!r}") from error
+        finally:
+            if t0:
+                trace.complete(f"dma wait ch{channel}", t0, "dma")
 
     def drain(self) -> None:
         """Wait for every channel with copies in flight (all of them, even
@@ -303,7 +308,13 @@ class DmaEngine:
             if not isinstance(job, _Copy):
                 continue
             try:
-                self._do_copy(job.src, job.dst)
+                if trace.on:  # every transfer on its channel's track (dspx.trace)
+                    channel = threading.current_thread().name.removeprefix("dspx-dma")
+                    trace.recorder().name_thread(f"dma channel {channel}")
+                    with trace.span("dma copy", "dma", {"bytes": int(job.dst.nbytes)}):
+                        self._do_copy(job.src, job.dst)
+                else:
+                    self._do_copy(job.src, job.dst)
             except Exception as e:  # reported to whoever waits on the channel
                 job.error = e
             job.done.release()

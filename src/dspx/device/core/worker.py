@@ -19,6 +19,7 @@ import socket
 import sys
 import traceback
 
+from ... import trace
 from ...abi import layout
 from ...abi.ops import FAULT_INJECTION_ENV
 from ...abi import protocol as P
@@ -444,7 +445,11 @@ class CoreWorker:
             if isinstance(rec, jobs.Call):  # answered like any call: one answer, to the client
                 self._running_job = rec.job
                 try:
-                    self.call(rec, failed)
+                    if trace.on:
+                        with trace.span("call job", "core", {"job": rec.job, "seq": rec.seq}, top=True):
+                            self.call(rec, failed)
+                    else:
+                        self.call(rec, failed)
                 except JobAborted:
                     pass  # the abort landed after the answer went out
                 finally:
@@ -461,7 +466,11 @@ class CoreWorker:
             try:
                 self._running_job = rec.job
                 try:
-                    done.value = self.handle(rec)
+                    if trace.on:
+                        with trace.span(f"job {type(rec).__name__}", "core", top=True):
+                            done.value = self.handle(rec)
+                    else:
+                        done.value = self.handle(rec)
                 finally:
                     self._running_job = None
             except BaseException as e:  # every failure becomes a status, the core keeps serving
@@ -614,8 +623,7 @@ def main(argv=None) -> None:
     # onnxruntime's telemetry keeps a database under ~/.cache/Microsoft (and
     # would send it): a core creates no files and opens no sockets.
     os.environ["ORT_DISABLE_TELEMETRY"] = "1"
-    from ... import trace  # DSPX_TRACE: record this core's timeline (docs/profiling.md)
-    trace.install_core(a.index)
+    trace.start_from_env(f"device core {a.index}", 2 + a.index, f"core {a.index}")  # DSPX_TRACE (docs/profiling.md)
     # Ctrl-C reaches the whole process group: the front decides when cores stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=a.fd)

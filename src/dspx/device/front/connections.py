@@ -14,6 +14,7 @@ import os
 import socket
 import time
 
+from ... import trace
 from ...abi import protocol as P
 from ...abi.protocol import Status as S
 from ...transport import Endpoint, listen, peer_cred
@@ -122,7 +123,7 @@ class Connections:
         s.setblocking(False)
         conn = Conn(self.st.new_id(), Endpoint(s), uid, pid=pid)
         self.st.conns[conn.cid] = conn
-        self.front.poller.register(s.fileno(), self.receive, conn)
+        self.front.poller.register(s.fileno(), trace.timed(self.receive, "receive", "front", top=True), conn)
 
     # A connection past a limit: its requests are answered ERR_BUSY (GET_ERROR
     # says which limit, with the numbers) until it closes or REFUSED_LINGER_S
@@ -175,6 +176,14 @@ class Connections:
 
     # ================================================================ output
     def send(self, conn: Conn, data: bytes) -> None:
+        t0 = trace.clock() if trace.on else 0
+        try:
+            self._send(conn, data)
+        finally:
+            if t0:
+                trace.complete("respond", t0, "front")
+
+    def _send(self, conn: Conn, data: bytes) -> None:
         if conn.closed:
             return
         if conn.outbox:  # keep the order of responses

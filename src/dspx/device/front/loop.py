@@ -18,7 +18,7 @@ import resource
 import signal
 import time
 
-from ... import memory
+from ... import memory, trace
 from ...abi import protocol as P
 from ...abi.protocol import DEFAULT_JOB_TIMEOUT_S, Status as S
 from ...transport import PeerClosed, Timeout
@@ -173,7 +173,11 @@ class Service:
             key = Handlers.plan_key(conn, hdr[0], data)
             plan = conn.plans.get(key) if key is not None else None
             if plan is not None:
-                actions = self.handlers.replay(conn, plan, hdr[1])
+                if trace.on:
+                    with trace.span("validate (plan hit)", "front"):
+                        actions = self.handlers.replay(conn, plan, hdr[1])
+                else:
+                    actions = self.handlers.replay(conn, plan, hdr[1])
                 if actions is not None:
                     self.apply(conn, actions)
                     return
@@ -185,7 +189,12 @@ class Service:
             conn.last_error = (e.seq or 0, int(e.status), str(e))
             send(conn, P.error_response(e.msg_type, e.seq, e.status))
             return
-        self.apply(conn, self.handlers.handle(conn, req, fds, key))
+        if trace.on:
+            with trace.span(f"validate {req.NAME}", "front"):
+                actions = self.handlers.handle(conn, req, fds, key)
+        else:
+            actions = self.handlers.handle(conn, req, fds, key)
+        self.apply(conn, actions)
 
     # ================================================================ actions
     def apply(self, conn: Conn | None, actions) -> None:
@@ -196,7 +205,11 @@ class Service:
                     self.connections.send(conn, a.msg.encode())
             elif isinstance(a, Submit):
                 try:
-                    self.scheduler.submit(a.job)
+                    if trace.on:
+                        with trace.span("queue", "front"):
+                            self.scheduler.submit(a.job)
+                    else:
+                        self.scheduler.submit(a.job)
                 except Reject as e:
                     if a.job.req is not None:
                         self.apply(conn, failure(conn, a.job.req, e))

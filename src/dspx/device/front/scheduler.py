@@ -18,6 +18,7 @@ import signal
 import subprocess
 import time
 
+from ... import trace
 from ...abi import protocol as P
 from ...abi.protocol import Status as S
 from .. import jobs
@@ -79,7 +80,11 @@ class Scheduler:
                 rest.append(entry)
                 continue
             idle.remove(c)
-            self._start_job(c, job)
+            if trace.on:
+                with trace.span("to core", "front", {"core": c.index}):
+                    self._start_job(c, job)
+            else:
+                self._start_job(c, job)
         for entry in rest:
             heapq.heappush(self.pending, entry)
 

@@ -16,6 +16,7 @@ import time
 
 import psutil
 
+from ... import trace
 from ...abi.protocol import Status as S
 from ...transport import PeerClosed, Timeout
 from .. import jobs
@@ -46,7 +47,7 @@ class CoreSupervisor:
     def start_core(self, c: CoreProc, wait: bool = True) -> None:
         self.start_spawner()  # started by serve_forever; here for a Service driven in-process
         c.start(self.spawner)
-        self.front.poller.register(c.ep.fileno(), self.on_core, c)
+        self.front.poller.register(c.ep.fileno(), trace.timed(self.on_core, "core message", "front", top=True), c)
         if wait:
             # At start-up, block until the core says hello so the device never
             # answers a job before a core exists.  A restart does not block the

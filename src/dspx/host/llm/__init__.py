@@ -1,0 +1,19 @@
+"""Language-model generation on the device (``dspx generate``, ``dspx chat``,
+``dspx serve-llm``), by what each part does:
+
+- ``device``: ``DeviceLLM``, a compiled package loaded on a device — prefill,
+  KV-resident decode and the bytes the host moved (``Traffic``);
+- ``sampling``: the next token from a step's logits (``sample``,
+  ``apply_repeat_penalty``);
+- ``generator``: ``Generator``, prompts to streamed text with stop strings,
+  limits and figures (``GenerationResult``);
+- ``chat``: ``Chat``, a conversation with llama.cpp-style context shift, and
+  ``demo_generate`` for ``make demo``.
+"""
+from .chat import Chat, Turn, demo_generate
+from .device import ContextFullError, DeviceLLM, Traffic
+from .generator import GenerationResult, Generator
+from .sampling import apply_repeat_penalty, sample
+
+__all__ = ["Chat", "ContextFullError", "DeviceLLM", "GenerationResult", "Generator", "demo_generate", "Traffic",
+           "Turn", "apply_repeat_penalty", "sample"]

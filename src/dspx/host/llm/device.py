@@ -1,0 +1,321 @@
+"""A compiled language model on the device: prefill + KV-resident decode.
+
+``DeviceLLM`` loads a directory written by ``dspx compile-llm`` (prefill.so,
+decode.so, one shared weights.bin) onto a :class:`~dspx.host.client.Client`
+with the device's default sizes, and runs:
+
+- ``prefill(ids, start)``: chunks of 64 tokens, KV_RESIDENT: the 60 KV inputs
+  are the KV region itself (tensor i at ``i × 196,608``), the module appends the
+  new rows in place and only the logits come back through output_buf;
+- ``decode(token, pos, resident=True)``: one token.  Resident, the host copies
+  16 bytes of ids/positions plus the 4,960-byte descriptor table into input_buf
+  and reads the logits; non-resident, the KV goes both ways through
+  input_buf/output_buf (the host keeps it in its own arrays).
+
+Traffic ("bytes moved") is counted by this module as it copies: bytes the
+host writes into input_buf (tensors + the descriptor table when it does not
+fit in the message) plus KV bytes it copies out of output_buf.  Reading the
+last position's logits (196,608 bytes) is the same in both modes and is
+counted apart.  (The dmabufs' ``synced`` counters count whole buffers per
+sync — DMA_BUF_IOCTL_SYNC has no range — so they show *which* buffers a call
+touched: a resident decode never syncs the staging buffer holding the KV
+region.)
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ... import trace
+from ...abi import llmpack
+from ...errors import CapacityWarning
+from ...llm import LLMError
+
+__all__ = ["ContextFullError", "DeviceLLM", "Traffic"]
+
+log = logging.getLogger("dspx.host.llm")
+
+
+class ContextFullError(LLMError):
+    """The prompt (or the conversation) does not fit the model's context."""
+
+    def __init__(self, needed: int, context: int, what: str = "prompt"):
+        self.needed = needed
+        self.context = context
+        super().__init__(f"{what} is {needed} tokens; the device model's context holds {context} "
+                         f"(prompt + answer): shorten it" + (" or start a new chat" if what != "prompt" else ""))
+
+
+@dataclass
+class Traffic:
+    """Bytes the host moved for one call (see the module docstring)."""
+
+    input_bytes: int = 0    # tensors copied into input_buf
+    desc_bytes: int = 0     # descriptor table written into input_buf (INFER_LARGE)
+    kv_out_bytes: int = 0   # KV copied out of output_buf (non-resident)
+    logits_bytes: int = 0   # logits read (same in both modes)
+
+    @property
+    def moved(self) -> int:
+        return self.input_bytes + self.desc_bytes + self.kv_out_bytes
+
+    def add(self, o: "Traffic") -> None:
+        self.input_bytes += o.input_bytes
+        self.desc_bytes += o.desc_bytes
+        self.kv_out_bytes += o.kv_out_bytes
+        self.logits_bytes += o.logits_bytes
+
+    def to_json(self) -> dict:
+        return {"input_bytes": self.input_bytes, "desc_bytes": self.desc_bytes, "kv_out_bytes": self.kv_out_bytes,
+                "moved_bytes": self.moved, "logits_bytes": self.logits_bytes}
+
+
+def _status(progress: bool, text: str):
+    if not progress:
+        from contextlib import nullcontext
+        return nullcontext()
+    from rich.console import Console
+    return Console(stderr=True).status(text)
+
+
+_DECODE_MODULES = {"serial": "decode", "parallel": "decode_parallel"}  # decode kind -> the package's module
+
+
+class DeviceLLM:
+    """A compiled LLM loaded on a device (see the module docstring)."""
+
+    def __init__(self, model_dir=None, *, client=None, gguf=None, socket: str | None = None,
+                 progress: bool = True, context: int = llmpack.CONTEXT, kv_dtype: str = "float32",
+                 decode_threads: str | None = None):
+        from ..client import Client
+
+        t0 = time.perf_counter()
+        if model_dir is None:  # compile the GGUF on first use (cached)
+            from ...compiler.llm import compiled_dir
+            model_dir = compiled_dir(gguf, progress=progress, context=context, kv_dtype=kv_dtype)
+        try:
+            pkg = llmpack.read(model_dir)
+        except llmpack.PackageError as e:
+            raise LLMError(str(e)) from None
+        self.dir, self.meta = pkg.dir, pkg.meta
+        self.context, self.chunk, self.vocab = pkg.context, pkg.chunk, pkg.vocab
+        self.kv_shape, self.kv_offsets, self.kv_total = pkg.kv_shape, pkg.kv_offsets, pkg.kv_total
+        self._own_client = client is None
+        self.client = client if client is not None else Client(socket)
+        if self.client.kv_size < self.kv_total:
+            raise LLMError(f"the model's KV cache needs {self.kv_total} bytes; this client's KV region holds "
+                           f"{self.client.kv_size}")
+        self.kv_dtype = self.meta["kv"].get("dtype", "float32")
+        self.kv_inputs = [(2 + i, off, self.kv_shape, self.kv_dtype) for i, off in enumerate(self.kv_offsets)]
+        self.load_warnings: list[str] = []
+        self.handles: dict[str, int] = {}
+        self._decode_name = "decode"
+        try:
+            self._load(progress)
+        except BaseException:
+            self.close()
+            raise
+        self.host_kv: list[np.ndarray] | None = None  # KV kept by the host (non-resident decode)
+        self.kv_on_host = False
+        self.traffic = Traffic()
+        self.last_traffic = Traffic()
+        self.decode_choice = self._choose_decode(decode_threads)
+        self.timings = {"load": time.perf_counter() - t0}
+
+    def _load(self, progress: bool) -> None:
+        c = self.client
+        mods = self.meta["modules"]
+        # Prefill first: its declaration (input 11.8 MB + output 24.4 MB) does
+        # not fit beside the 480 MiB staging + KV with the default carveout; the
+        # load warns (declared vs allocated) and we declare the real figure
+        # (KV-resident: only the logits reach output_buf) before any inference.
+        for name in [m for m in ("prefill", "decode", "decode_parallel") if m in mods]:
+            elf = (self.dir / mods[name]["module"]).read_bytes()
+            with _status(progress, f"loading {name} module ({len(elf) / 1e6:.1f} MB) …"):
+                with warnings.catch_warnings(record=True) as rec:
+                    warnings.simplefilter("always", CapacityWarning)
+                    self.handles[name] = c.load_module(elf).handle
+            for w in rec:
+                if issubclass(w.category, CapacityWarning):
+                    self.load_warnings.append(str(w.message))
+                else:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            if name == "prefill":
+                res = mods["prefill"]["io_reserve"]
+                if not c.io_locked:
+                    c.reserve_io(res["input_bytes"], res["output_bytes"], mods["prefill"]["io"]["num_inputs"])
+        if self.load_warnings:
+            res = mods["prefill"]["io_reserve"]
+            io = mods["prefill"]["io"]
+            log.debug("the prefill module declares %s input + %s output bytes, more than the carveout has left "
+                      "beside staging + KV (the load warned: declared vs allocated); reserved its KV-resident "
+                      "figure from metadata.json instead: output %s bytes",
+                      f"{io['input_bytes']:,}", f"{io['output_bytes']:,}", f"{res['output_bytes']:,}")
+        wpath = self.dir / self.meta["weights"]["file"]
+        data = wpath.read_bytes()
+        with _status(progress, f"loading weights ({len(data) / 2**20:.1f} MiB, MODEL_LOAD once for both modules) …"):
+            self.model_id, self.num_constants = c.load_weights(data)
+
+    def _choose_decode(self, want: str | None) -> dict:
+        """Serial or parallel decode GEMVs: ``want`` ("serial" | "parallel" |
+        "auto", default ``$DSPX_LLM_DECODE`` else auto).  Auto times both
+        modules on a few KV-resident steps here (the machine as it is now: both
+        cores free, or one busy) and keeps the faster; positions 0..7 of the
+        KV are scratch (every prefill rewrites them)."""
+        import os
+
+        want = want or os.environ.get("DSPX_LLM_DECODE", "auto")
+        if want not in ("auto", "serial", "parallel"):
+            raise LLMError(f"decode threads {want!r}: use auto, serial or parallel")
+        if "decode_parallel" not in self.handles:
+            return {"chosen": "serial", "why": "package has no decode_parallel module"}
+        if want != "auto":
+            self.use_decode(want)
+            return {"chosen": want, "why": "asked"}
+        ms = {"decode": [], "decode_parallel": []}
+        for rnd in range(4):  # alternate, first round is warm-up
+            for name in ms:
+                self._decode_name = name
+                t = time.perf_counter()
+                self.decode(1, rnd)
+                if rnd:
+                    ms[name].append((time.perf_counter() - t) * 1e3)
+        med = {k: float(np.median(v)) for k, v in ms.items()}
+        self._decode_name = min(med, key=med.get)
+        self.traffic, self.last_traffic = Traffic(), Traffic()
+        chosen = self.decode_kind
+        log.debug("decode: serial %.1f ms, parallel %.1f ms per step -> %s", med["decode"], med["decode_parallel"],
+                  chosen)
+        return {"chosen": chosen, "serial_ms": round(med["decode"], 2), "parallel_ms": round(med["decode_parallel"], 2)}
+
+    def use_decode(self, kind: str) -> None:
+        """Run the following decode steps on the "serial" or "parallel" decode
+        module (what the load-time choice sets; for A/B runs and tests)."""
+        name = _DECODE_MODULES.get(kind)
+        if name is None:
+            raise LLMError(f"decode module {kind!r}: use serial or parallel")
+        if name not in self.handles:
+            raise LLMError(f"this package has no {name} module")
+        self._decode_name = name
+
+    @property
+    def decode_kind(self) -> str:
+        """The decode module the steps run on: "serial" or "parallel"."""
+        return next(k for k, v in _DECODE_MODULES.items() if v == self._decode_name)
+
+    # ---------------------------------------------------------------- calls
+    def _infer(self, name: str, inputs: list[np.ndarray], resident: bool):
+        c = self.client
+        n = len(inputs) + (len(self.kv_inputs) if resident else 0)
+        t = Traffic(input_bytes=sum(a.nbytes for a in inputs if c.in_input_buf(a) is None),
+                    desc_bytes=80 * n if n > _max_inline() else 0)
+        r = c.infer(self.handles[name], inputs, self.model_id, kv_resident=resident,
+                    kv_inputs=self.kv_inputs if resident else ())
+        return r, t
+
+    def _account(self, t: Traffic) -> None:
+        self.last_traffic = t
+        self.traffic.add(t)
+
+    def _to_device_kv(self) -> None:
+        """Non-resident -> resident: put the host's KV back in the KV region."""
+        if self.kv_on_host:
+            for arr, off in zip(self.host_kv, self.kv_offsets):
+                self.client.kv_view(off, self.kv_shape, self.kv_dtype)[...] = arr
+            self.kv_on_host = False
+
+    def _to_host_kv(self) -> None:
+        if not self.kv_on_host:
+            self.host_kv = [self.client.kv_view(off, self.kv_shape, self.kv_dtype).copy() for off in self.kv_offsets]
+            self.kv_on_host = True
+
+    def prefill(self, ids: Sequence[int], start: int = 0) -> np.ndarray:
+        """Run ``ids`` at positions ``start…``; returns the last token's logits (a copy)."""
+        ids = [int(i) for i in ids]
+        t0, before = (trace.clock(), self.traffic.to_json()) if trace.on else (0, None)
+        try:
+            if not ids:
+                raise ValueError("prefill needs at least one token")
+            if start + len(ids) > self.context:
+                raise ContextFullError(start + len(ids), self.context)
+            self._to_device_kv()
+            last = None
+            for s in range(0, len(ids), self.chunk):
+                part = ids[s:s + self.chunk]
+                idarr = np.zeros((1, self.chunk), np.int64)
+                idarr[0, :len(part)] = part
+                pos = np.full((1, self.chunk), -1, np.int64)  # padding rows: no KV write, ignored
+                pos[0, :len(part)] = np.arange(start + s, start + s + len(part))
+                r, t = self._infer("prefill", [idarr, pos], True)
+                logits = self.client.output_view(r.descs[0])
+                last = logits[0, len(part) - 1].copy()
+                t.logits_bytes = last.nbytes
+                self._account(t)
+            return last
+        finally:
+            if t0:
+                self._trace_step("prefill", t0, before, tokens=len(ids), start=start)
+
+    def decode(self, token: int, pos: int, resident: bool = True) -> np.ndarray:
+        """Logits (a copy) of ``token`` at ``pos`` attending to the cache 0…pos."""
+        t0, before = (trace.clock(), self.traffic.to_json()) if trace.on else (0, None)
+        try:
+            if not 0 <= pos < self.context:
+                raise ContextFullError(pos + 1, self.context)
+            ids = np.array([[token]], np.int64)
+            p = np.array([[pos]], np.int64)
+            if resident:
+                self._to_device_kv()
+                r, t = self._infer(self._decode_name, [ids, p], True)
+            else:
+                self._to_host_kv()
+                r, t = self._infer(self._decode_name, [ids, p] + self.host_kv, False)
+                for i, arr in enumerate(self.host_kv):
+                    np.copyto(arr, self.client.output_view(r.descs[1 + i]))
+                    t.kv_out_bytes += arr.nbytes
+            out = self.client.output_view(r.descs[0])[0, 0].copy()
+            t.logits_bytes = out.nbytes
+            self._account(t)
+            return out
+        finally:
+            if t0:
+                self._trace_step("decode", t0, before, pos=pos, resident=resident)
+
+    def _trace_step(self, what: str, t0: int, before: dict, **args) -> None:
+        """A prefill or decode span with the bytes the host moved for it."""
+        after = self.traffic.to_json()
+        trace.complete(what, t0, "host", {**{k: after[k] - before[k] for k in after}, **args}, top=True)
+
+    def close(self) -> None:
+        c = getattr(self, "client", None)
+        if c is None:
+            return
+        if self._own_client:
+            c.close()
+        else:
+            try:
+                if getattr(self, "model_id", None):
+                    c.unload_weights(self.model_id)
+                for h in self.handles.values():
+                    c.unload_module(h)
+            except Exception:  # noqa: BLE001 - best effort on a client we do not own
+                pass
+        self.client = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+
+def _max_inline() -> int:
+    from ...abi.protocol import MAX_INLINE_INPUTS
+    return MAX_INLINE_INPUTS
+
