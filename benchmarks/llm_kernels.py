@@ -84,7 +84,7 @@ def main() -> int:
     a = ap.parse_args()
     import tvm
     from dspx.compiler import llm as L
-    from dspx.compiler.onnx import make_target
+    from dspx.compiler.target import make_target
 
     target = tvm.target.Target(make_target(L.LLM_TARGET))
     rng = np.random.default_rng(0)
