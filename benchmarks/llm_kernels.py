@@ -5,7 +5,7 @@
 Builds each TIR kernel of the prefill entry (one 64-row chunk, ``--rows`` real
 rows, positions 0…rows-1) and of the decode attention at the end of each KV
 dtype's context and at position 37, for each KV layout (rows / blocked,
-interleaved rounds: the A/B of compiler/llm.py's KV_LAYOUTS), runs it on random inputs of its own shapes and reports the
+interleaved rounds: the A/B of dspx.compiler.llm.KV_LAYOUTS), runs it on random inputs of its own shapes and reports the
 process CPU time per call with TVM_NUM_THREADS=1 (CPU time, so the figures
 hold on a busy machine better than wall time; two free cores roughly halve
 the parallel kernels' wall time), GFLOP/s for the GEMMs, and the per-token
