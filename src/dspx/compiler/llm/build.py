@@ -172,16 +172,14 @@ def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True, *, conte
     if not path.is_file():
         from dspx.llm import GGUFNotFoundError
         raise GGUFNotFoundError(f"GGUF file not found: {path}")
-    build = {"context": context, "kv_dtype": kv_dtype}
-    if kv_layout != "blocked":
-        build["kv_layout"] = kv_layout
+    options = {"context": context, "kv_dtype": kv_dtype, "kv_layout": kv_layout}
     digest = build_digest()
-    key = cache.digest((), digest, json.dumps(gguf_identity(path), sort_keys=True),
-                       "" if build == {"context": CONTEXT, "kv_dtype": "float32"} else json.dumps(build))
+    key = cache.digest((), digest, json.dumps(gguf_identity(path), sort_keys=True), json.dumps(options, sort_keys=True))
     area = Path(cache_dir) / "llm" if cache_dir else cache.area("llm")
     out = area / key
     if not (out / METADATA_FILE).exists():
-        cache.prune(area, lambda e: not _stale(e, digest))  # ~95 MB each
+        # builds by an older compiler go (~95 MB each); what has no dspx metadata stays
+        cache.prune(area, lambda e: not _stale(e, digest))
         cache.publish(out, lambda tmp: compile_llm(path, tmp, progress=progress, context=context,
                                                    kv_dtype=kv_dtype, kv_layout=kv_layout),
                       complete=METADATA_FILE)

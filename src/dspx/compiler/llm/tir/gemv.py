@@ -154,7 +154,7 @@ def _q8_0_decode(K: int, N: int, parallel: bool):
     # workers spin on the CPU the IPC needs).
     loop = T.parallel if parallel else T.serial
     dot = _tile_dot(NB, False)
-    M = 1
+    M = 1  # one row, in the (1, M, N) logits of both forms
 
     @T.prim_func(private=True)
     def f(x: T.Buffer((M, K), "float32"), q: T.Buffer((N // TN, NB, 32, TN), "int8"),

@@ -16,8 +16,8 @@ def embed(d: Dims, M: int):
     NB = D // 32
 
     @T.prim_func(private=True)
-    def f(ids: T.Buffer((1, M), "int64"), q: T.Buffer((V // TN, NB, 32, TN), "int8"), dd: T.Buffer((V // TN, NB, TN), "float16"),
-          x: T.Buffer((M, D), "float32")):
+    def f(ids: T.Buffer((1, M), "int64"), q: T.Buffer((V // TN, NB, 32, TN), "int8"),
+          dd: T.Buffer((V // TN, NB, TN), "float16"), x: T.Buffer((M, D), "float32")):
         T.func_attr({"tir.noalias": True})
         for r in range(M):
             tok = T.Cast("int32", T.max(T.min(ids[0, r], T.int64(V - 1)), T.int64(0)))
