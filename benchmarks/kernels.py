@@ -411,7 +411,7 @@ def main() -> int:
 
     import tvm
 
-    from dspx.compiler.kernel_rewrite import detect_target
+    from dspx.compiler.target import detect_target
     from dspx.device.core import kernels as K
     K.configure_backend(a.backend)
     K.configure_threads(a.threads)

@@ -23,7 +23,7 @@ What is measured (wall clock in the host process, medians of --repeat runs):
   over the rounds), so the three rows share the machine's state.  Each load
   picks its decode module (GEMVs on one thread or all) by timing both
   (``decode_choice``; force with DSPX_LLM_DECODE=serial|parallel).  The KV
-  layout is compiler/llm.py's default ("blocked"; DSPX_LLM_KV_LAYOUT=rows for
+  layout is compiler/llm's default ("blocked"; DSPX_LLM_KV_LAYOUT=rows for
   the earlier one); --layout-ab compares the two.
 - bytes moved per decoded token: bytes the host copies into input_buf
   (tensors + descriptor table) + KV bytes it copies out of output_buf; the
@@ -184,7 +184,7 @@ def bench_dspx(model_dirs: dict, p37, p256, long_text, n: int, repeat: int, non_
 
 def layout_ab(p37, long_text, n: int, repeat: int) -> dict:
     """--layout-ab: decode from 37 and at the end of the context for each KV dtype
-    with the "rows" and "blocked" KV layouts (compiler/llm.py KV_LAYOUTS), both
+    with the "rows" and "blocked" KV layouts (dspx.compiler.llm.KV_LAYOUTS), both
     packages loaded at once and measured alternately (interleaved rounds,
     medians), each on both decode modules (serial and parallel: the load-time
     choice would otherwise differ between the two packages)."""

@@ -5,7 +5,7 @@
 Builds each TIR kernel of the prefill entry (one 64-row chunk, ``--rows`` real
 rows, positions 0…rows-1) and of the decode attention at the end of each KV
 dtype's context and at position 37, for each KV layout (rows / blocked,
-interleaved rounds: the A/B of compiler/llm.py's KV_LAYOUTS), runs it on random inputs of its own shapes and reports the
+interleaved rounds: the A/B of dspx.compiler.llm.KV_LAYOUTS), runs it on random inputs of its own shapes and reports the
 process CPU time per call with TVM_NUM_THREADS=1 (CPU time, so the figures
 hold on a busy machine better than wall time; two free cores roughly halve
 the parallel kernels' wall time), GFLOP/s for the GEMMs, and the per-token
@@ -84,12 +84,12 @@ def main() -> int:
     a = ap.parse_args()
     import tvm
     from dspx.compiler import llm as L
-    from dspx.compiler.onnx import make_target
+    from dspx.compiler.target import make_target
 
     target = tvm.target.Target(make_target(L.LLM_TARGET))
     rng = np.random.default_rng(0)
     d = L.Dims(**SMOLLM2)
-    ks = L._kernels(d, d.chunk, True)
+    ks = L.kernels(d, d.chunk, True)
     gemm = {"gemv_qkv": (d.dim, d.qkv), "gemv_o": (d.dim, d.dim), "gemv_gate_up": (d.dim, 2 * d.ffn),
             "gemv_down": (d.ffn, d.dim), "lm_head": (d.dim, d.vocab)}
     per_layer = ["rmsnorm", "gemv_qkv", "kv_write", "attention", "gemv_o", "rmsnorm", "gemv_gate_up", "silu_mul",
@@ -121,7 +121,7 @@ def main() -> int:
         ctx = L.largest_context(d.n_layers, d.n_kv, d.head_dim, kd)
         cases = {}
         for lay in L.KV_LAYOUTS:
-            f = L._kernels(L.Dims(**SMOLLM2, context=ctx, kv_dtype=kd, kv_layout=lay), 1, False)["attention"]
+            f = L.kernels(L.Dims(**SMOLLM2, context=ctx, kv_dtype=kd, kv_layout=lay), 1, False)["attention"]
             fn = build(f, "attention", target)
             for at in (ctx - 1, 37):
                 cases[lay, at] = (fn, random_args(f, rng, 1, pos0=at, kv_layout=lay))

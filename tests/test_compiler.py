@@ -13,7 +13,8 @@ from onnx import TensorProto, helper
 
 from dspx.compiler import examples
 from dspx.compiler import module as fmt
-from dspx.compiler.onnx import CompileError, compile_onnx, detect_mcpu, make_target
+from dspx.compiler.onnx import CompileError, compile_onnx
+from dspx.compiler.target import detect_mcpu, make_target
 
 
 def _dynsyms(path) -> dict:
@@ -222,7 +223,7 @@ def test_verification_catches_a_wrong_module(tmp_path, monkeypatch, verifier):
     # The module then runs on the device, and only the reference can tell.
     from dspx.compiler import kernel_rewrite
 
-    real = kernel_rewrite._Matcher.plan_conv
+    real = kernel_rewrite._Matcher.match_conv
 
     def no_relu(self, var):
         p = real(self, var)
@@ -230,7 +231,7 @@ def test_verification_catches_a_wrong_module(tmp_path, monkeypatch, verifier):
             p.args[-1] = kernel_rewrite._i(kernel_rewrite.ACT_NONE)
         return p
 
-    monkeypatch.setattr(kernel_rewrite._Matcher, "plan_conv", no_relu)
+    monkeypatch.setattr(kernel_rewrite._Matcher, "match_conv", no_relu)
     with pytest.raises(CompileError, match=r"verification failed: output 'y' differs from onnxruntime"):
         compile_onnx(_relu_conv(tmp_path), tmp_path / "out", kernels=True, progress=False, verifier=verifier,
                      subgraph=False)
@@ -317,7 +318,7 @@ def test_target_recorded_and_checked_by_the_loader(tmp_path, device, client_of, 
     assert meta["target"]["mcpu"] == "x86-64-v3" and "avx2" in meta["cpu_features"]
     assert "avx512f" not in meta["cpu_features"]
     # A CPU with features this machine lacks: not verifiable here, refused by the loader.
-    from dspx.compiler.onnx import cpu_features
+    from dspx.compiler.target import cpu_features
     from dspx.device.core.cpu import missing_features
 
     # AMD's sse4a on an Intel machine, Intel's avx512_fp16/AMX on an AMD one, AVX-512 on an older one

@@ -28,6 +28,7 @@ import scipy.special
 import attacks
 from conftest import SMALL, Device
 from dspx import memory, sdk
+from dspx.sdk import gen_wire
 from dspx.abi import protocol as P
 from dspx.abi.protocol import Status
 from dspx.errors import DeviceError
@@ -430,7 +431,8 @@ def test_the_shims_self_check_under_sanitizers(tmp_path, sanitizer):
     refused), each kind of breakage is named, and no sanitizer reports."""
     exe = tmp_path / "selfcheck"
     subprocess.run([attacks.CC, "-g", "-O1", f"-fsanitize={sanitizer}", "-fno-sanitize-recover=all", "-pthread",
-                    f"-I{SHIM.parents[1] / 'include'}", f"-I{SHIM.parent}", "-o", str(exe),
+                    f"-I{SHIM.parents[1] / 'include'}", f"-I{SHIM.parent}", f"-I{gen_wire.include_dir(tmp_path)}",
+                    "-o", str(exe),
                     str(Path(__file__).parent / "native" / "shim_selfcheck.c"), "-ldl"],
                    check=True, capture_output=True, timeout=300)
     p = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)

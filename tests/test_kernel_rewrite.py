@@ -248,7 +248,9 @@ def test_rewrite_rejects_bad_arguments():
 
 
 def test_detect_target_names_this_cpu():
-    t = kernel_rewrite.detect_target(2)
+    from dspx.compiler.target import detect_target
+
+    t = detect_target(2)
     assert t.attrs["num-cores"] == 2 and str(t.attrs["mcpu"]) not in ("", "generic")
 
 

@@ -26,7 +26,6 @@ same list; a test checks they agree).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +36,7 @@ log = logging.getLogger(__name__)
 
 from dspx.abi.kernels import (ACT_NONE, ACT_RELU, BLOCK_MULTIPLE, BLOCKED_ARGS, IN_BLOCKED,  # noqa: F401
                               KERNELS, LAYOUT_NCHW, LAYOUT_NHWC, OUT_BLOCKED, PREFIX, RES_BLOCKED)
+from dspx.compiler.target import target_cores
 
 # where each blocked-capable kernel's layout code sits in its argument list
 _LAYOUT_ARG = {k: KERNELS[k].position("layout") for k in BLOCKED_ARGS}
@@ -107,8 +107,8 @@ def _bias_shapes(layout: int, c: int) -> list[list[int]]:
 
 
 @dataclass
-class _Plan:
-    """A planned replacement of one binding: kernel name + args (original exprs)."""
+class _Rewrite:
+    """The kernel call that replaces one binding: kernel name + args (original exprs)."""
     kernel: str
     args: list
 
@@ -116,7 +116,7 @@ class _Plan:
 # ---------------------------------------------------------------- matching
 
 class _Matcher:
-    """Looks at one function's bindings and plans kernel calls."""
+    """Looks at one function's bindings and finds the kernel calls that replace them."""
 
     def __init__(self, func: relax.Function):
         self.defs: dict = {}
@@ -130,7 +130,7 @@ class _Matcher:
         self.outputs = list(relax.analysis.free_vars(func.body.body))
         for v in self.outputs:
             self.uses[v] = self.uses.get(v, 0) + 1
-        self.plans: dict = {}
+        self.rewrites: dict = {}
         self.swallowed: set = set()
 
     def value(self, var):
@@ -196,14 +196,14 @@ class _Matcher:
         return expr, bias, residual, act
 
     def _is_bias(self, other, add_expr) -> bool:
-        """Shaped like a per-channel vector in NCHW or NHWC; plan_conv checks
+        """Shaped like a per-channel vector in NCHW or NHWC; match_conv checks
         it against the convolution's actual layout."""
         s, o = _shape(other), _shape(add_expr)
         if s is None or o is None or len(o) != 4 or not _f32(other):
             return False
         return s in _bias_shapes(LAYOUT_NCHW, o[1]) or s in _bias_shapes(LAYOUT_NHWC, o[3])
 
-    def plan_conv(self, var) -> _Plan | None:
+    def match_conv(self, var) -> _Rewrite | None:
         m = self.conv_chain(var)
         if m is None:
             return None
@@ -238,10 +238,10 @@ class _Matcher:
             scale = [("reshape", stored[1], cout)] if stored[1] is not None else []
         suffix = "_qw" if scale else ""
         if residual is not None:
-            return _Plan(PREFIX + "conv2d_add" + suffix, [x, w, bias, residual] + scale + attrs)
-        return _Plan(PREFIX + "conv2d" + suffix, [x, w, bias] + scale + attrs)
+            return _Rewrite(PREFIX + "conv2d_add" + suffix, [x, w, bias, residual] + scale + attrs)
+        return _Rewrite(PREFIX + "conv2d" + suffix, [x, w, bias] + scale + attrs)
 
-    def plan_dense(self, var) -> _Plan | None:
+    def match_dense(self, var) -> _Rewrite | None:
         self.inner = []
         expr = self.value(var)
         bias = None
@@ -281,16 +281,16 @@ class _Matcher:
             b = ("reshape", bias, n) if bias is not None else ("zeros", n)
             stored = self.stored_weight(w)
             if stored is not None and stored[1] is not None:
-                return _Plan(PREFIX + "dense_qw", [x, stored[0], b, ("reshape", stored[1], n),
+                return _Rewrite(PREFIX + "dense_qw", [x, stored[0], b, ("reshape", stored[1], n),
                                                    _i(trans_b), _i(act)])
             if stored is not None:
                 w = stored[0]
-            return _Plan(PREFIX + "dense", [x, w, b, _i(trans_b), _i(act)])
+            return _Rewrite(PREFIX + "dense", [x, w, b, _i(trans_b), _i(act)])
         if bias is not None or act != ACT_NONE or len(xs) < 2 or len(ws) < 2:
             return None
-        return _Plan(PREFIX + "matmul", [x, w, _i(0)])
+        return _Rewrite(PREFIX + "matmul", [x, w, _i(0)])
 
-    def plan_single(self, expr) -> _Plan | None:
+    def match_single(self, expr) -> _Rewrite | None:
         op = _op(expr)
         if op in ("relax.nn.max_pool2d", "relax.nn.avg_pool2d"):
             a = expr.attrs
@@ -304,14 +304,14 @@ class _Matcher:
             common = [_shape_arg(a.pool_size), _shape_arg(a.strides), _shape_arg(pad),
                       _shape_arg(a.dilation), _i(bool(a.ceil_mode))]
             if op == "relax.nn.max_pool2d":
-                return _Plan(PREFIX + "max_pool2d", [x] + common + [layout])
+                return _Rewrite(PREFIX + "max_pool2d", [x] + common + [layout])
             xs = _shape(x)
             hw = None if xs is None or len(xs) != 4 else (xs[2:] if layout == LAYOUT_NCHW else xs[1:3])
             if hw is not None and _ints(a.pool_size) == hw and not any(pad) and _ints(a.dilation) == [1, 1]:
                 # one window over the whole image (light ResNet-50's AveragePool 7x7):
                 # the global pool takes its input blocked, so the last conv needs no reorder
-                return _Plan(PREFIX + "global_avg_pool2d", [x, layout])
-            return _Plan(PREFIX + "avg_pool2d",
+                return _Rewrite(PREFIX + "global_avg_pool2d", [x, layout])
+            return _Rewrite(PREFIX + "avg_pool2d",
                          [x] + common + [_i(bool(a.count_include_pad)), layout])
         if op == "relax.nn.adaptive_avg_pool2d":
             a = expr.attrs
@@ -319,7 +319,7 @@ class _Matcher:
             if (a.output_size is not None and _ints(a.output_size) in ([1, 1], [1])
                     and layout is not None and str(a.out_layout) == str(a.layout)
                     and _f32(expr.args[0])):
-                return _Plan(PREFIX + "global_avg_pool2d", [expr.args[0], layout])
+                return _Rewrite(PREFIX + "global_avg_pool2d", [expr.args[0], layout])
             return None
         if op == "relax.mean":
             x = expr.args[0]
@@ -328,15 +328,15 @@ class _Matcher:
             if xs is None or len(xs) != 4 or not _f32(x) or axes is None:
                 return None
             if axes == [2, 3]:
-                return _Plan(PREFIX + "global_avg_pool2d", [x, LAYOUT_NCHW])
+                return _Rewrite(PREFIX + "global_avg_pool2d", [x, LAYOUT_NCHW])
             if axes == [1, 2]:
-                return _Plan(PREFIX + "global_avg_pool2d", [x, LAYOUT_NHWC])
+                return _Rewrite(PREFIX + "global_avg_pool2d", [x, LAYOUT_NHWC])
             return None
         if op == "relax.nn.softmax":
             x = expr.args[0]
             if not _f32(x) or _shape(x) is None:
                 return None
-            return _Plan(PREFIX + "softmax", [x, _i(int(expr.attrs.axis))])
+            return _Rewrite(PREFIX + "softmax", [x, _i(int(expr.attrs.axis))])
         if op in ("relax.nn.layer_norm", "relax.nn.rms_norm"):
             x = expr.args[0]
             xs = _shape(x)
@@ -346,30 +346,30 @@ class _Matcher:
             if any(_shape(e) != [xs[-1]] for e in expr.args[1:]):
                 return None
             name = "layernorm" if op == "relax.nn.layer_norm" else "rmsnorm"
-            return _Plan(PREFIX + name, list(expr.args) + [_f(float(expr.attrs.epsilon))])
+            return _Rewrite(PREFIX + name, list(expr.args) + [_f(float(expr.attrs.epsilon))])
         return None
 
-    def plan(self) -> dict:
+    def match(self) -> dict:
         # Walk backwards so the longest chain wins; what it swallows is not
-        # planned again (it becomes dead and DCE drops it).
+        # matched again (it becomes dead and DCE drops it).
         swallowed = self.swallowed
         for var in reversed(list(self.defs)):
             if var in swallowed:
                 continue
             expr = self.defs[var]
-            p = self.plan_conv(var)
+            p = self.match_conv(var)
             if p is None:
-                p = self.plan_dense(var)
+                p = self.match_dense(var)
             if p is not None:
                 swallowed.update(self.inner)
             else:
-                p = self.plan_single(expr)
+                p = self.match_single(expr)
             if p is not None:
-                self.plans[var] = p
-        return self.plans
+                self.rewrites[var] = p
+        return self.rewrites
 
 
-def _block_layouts(m: _Matcher, plans: dict, swallowed: set) -> int:
+def _block_layouts(m: _Matcher, rewrites: dict, swallowed: set) -> int:
     """Mark kernel-to-kernel NCHW tensors as blocked; returns how many."""
     uses: dict = {}
 
@@ -379,8 +379,8 @@ def _block_layouts(m: _Matcher, plans: dict, swallowed: set) -> int:
     for var, expr in m.defs.items():
         if var in swallowed:
             continue
-        if var in plans:
-            for a in plans[var].args:
+        if var in rewrites:
+            for a in rewrites[var].args:
                 if isinstance(a, relax.Var):
                     use(a)
                 elif isinstance(a, tuple) and len(a) == 3 and isinstance(a[1], relax.Var):
@@ -401,7 +401,7 @@ def _block_layouts(m: _Matcher, plans: dict, swallowed: set) -> int:
         cin = _shape(p.args[0])[1]
         return g == 1 or g == cin  # plain or depthwise: both have NCHWc kernels
     n = 0
-    for var, p in plans.items():
+    for var, p in rewrites.items():
         k = short(p)
         if k not in ("conv2d", "conv2d_add", "conv2d_qw", "conv2d_add_qw", "max_pool2d") or not groups_ok(p):
             continue
@@ -411,29 +411,29 @@ def _block_layouts(m: _Matcher, plans: dict, swallowed: set) -> int:
         if shp is None or len(shp) != 4 or shp[1] % BLOCK_MULTIPLE:
             continue
         sites = []
-        for cvar, cp in plans.items():
+        for cvar, cp in rewrites.items():
             ck = short(cp)
             for i, a in enumerate(cp.args):
                 if isinstance(a, relax.Var) and a.same_as(var):
                     sites.append((cvar, ck, i))
         if not sites or len(sites) != uses.get(var, 0):
             continue  # something other than a kernel reads it
-        if not all(i in BLOCKED_ARGS.get(ck, {}) and groups_ok(plans[cv])
-                   and plans[cv].args[_LAYOUT_ARG[ck]] & 3 == LAYOUT_NCHW
+        if not all(i in BLOCKED_ARGS.get(ck, {}) and groups_ok(rewrites[cv])
+                   and rewrites[cv].args[_LAYOUT_ARG[ck]] & 3 == LAYOUT_NCHW
                    for cv, ck, i in sites):
             continue
         p.args[_LAYOUT_ARG[k]] |= OUT_BLOCKED
         for cv, ck, i in sites:
-            plans[cv].args[_LAYOUT_ARG[ck]] |= BLOCKED_ARGS[ck][i]
+            rewrites[cv].args[_LAYOUT_ARG[ck]] |= BLOCKED_ARGS[ck][i]
         n += 1
     return n
 
 
 @relax.expr_functor.mutator
 class _Rewriter(relax.PyExprMutator):
-    def __init__(self, mod, plans):
+    def __init__(self, mod, rewrites):
         super().__init__(mod)
-        self.plans = plans
+        self.rewrites = rewrites
         self.used: set[str] = set()
 
     def _arg(self, a):
@@ -450,14 +450,14 @@ class _Rewriter(relax.PyExprMutator):
         return self.visit_expr(a)
 
     def visit_var_binding_(self, binding):
-        plan = self.plans.get(binding.var)
-        if plan is None:
+        found = self.rewrites.get(binding.var)
+        if found is None:
             return super().visit_var_binding_(binding)
-        args = [self._arg(a) for a in plan.args]
-        call = relax.call_dps_packed(plan.kernel, args, out_ty=binding.var.ty)
+        args = [self._arg(a) for a in found.args]
+        call = relax.call_dps_packed(found.kernel, args, out_ty=binding.var.ty)
         new = self.builder_.emit(call, name_hint=binding.var.name)
         self.set_var_remap(binding.var, new)
-        self.used.add(plan.kernel)
+        self.used.add(found.kernel)
 
 
 def _rewrite_calls(mod: tvm.IRModule, blocked: bool) -> tuple[tvm.IRModule, set[str]]:
@@ -466,12 +466,12 @@ def _rewrite_calls(mod: tvm.IRModule, blocked: bool) -> tuple[tvm.IRModule, set[
         if not isinstance(func, relax.Function):
             continue
         m = _Matcher(func)
-        plans = m.plan()
-        if not plans:
+        rewrites = m.match()
+        if not rewrites:
             continue
         if blocked:
-            _block_layouts(m, plans, m.swallowed)
-        rw = _Rewriter(mod, plans)
+            _block_layouts(m, rewrites, m.swallowed)
+        rw = _Rewriter(mod, rewrites)
         new_func = rw.visit_expr(func)
         mod[gv] = new_func
         used |= rw.used
@@ -479,26 +479,6 @@ def _rewrite_calls(mod: tvm.IRModule, blocked: bool) -> tuple[tvm.IRModule, set[
 
 
 # ---------------------------------------------------------------- schedules
-
-def detect_target(threads: int | None = None) -> tvm.target.Target:
-    """An LLVM target for this CPU (``"native"`` silently falls back to generic)."""
-    from tvm.target import codegen
-
-    cpu = codegen.llvm_get_system_cpu()
-    if not codegen.llvm_is_valid_cpu(cpu, "x86_64-linux-gnu"):
-        cpu = "x86-64-v3"
-    return tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": cpu,
-                              "num-cores": int(threads or os.cpu_count() or 1)})
-
-
-def target_cores(target) -> int:
-    t = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
-    n = t.attrs.get("num-cores") if hasattr(t, "attrs") else None
-    try:
-        return max(1, int(n)) if n is not None else (os.cpu_count() or 1)
-    except (TypeError, ValueError):
-        return os.cpu_count() or 1
-
 
 def _schedule_func(func: tirx.PrimFunc, cores: int, vec: int) -> tirx.PrimFunc:
     """Inline what can be inlined; parallel outer / vectorized inner on the rest."""

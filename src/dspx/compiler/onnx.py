@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,92 +17,8 @@ from dspx.compiler.module import (IO_META_NAME, METADATA_FILE, MODULE_FILE, SIGN
                                   Signature, TensorSpec, export_module, make_io_meta, write_metadata,
                                   write_weights)
 from dspx.abi.kernels import PREFIX
+from dspx.compiler.target import cpu_features, make_target, missing_here
 from dspx.compiler.weights import MIN_WEIGHT_ELEMENTS, rebuild_graph
-
-
-def detect_mcpu() -> str:
-    """The host CPU name as LLVM knows it (never "native", which TVM turns
-    into "generic"); falls back to an x86-64 micro-architecture level read
-    from /proc/cpuinfo flags."""
-    from tvm.target import codegen
-
-    try:
-        cpu = codegen.llvm_get_system_cpu()
-        if cpu and cpu != "generic" and codegen.llvm_is_valid_cpu(cpu, "x86_64-linux-gnu"):
-            return cpu
-    except Exception:  # older/limited LLVM builds lack these helpers
-        pass
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "x86-64"
-    m = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
-    flags = set(m.group(1).split()) if m else set()
-    if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= flags:
-        return "x86-64-v4"
-    if {"avx2", "bmi2", "fma", "movbe"} <= flags:
-        return "x86-64-v3"
-    if {"sse4_2", "popcnt", "ssse3"} <= flags:
-        return "x86-64-v2"
-    return "x86-64"
-
-
-#: the portable x86-64 levels; any LLVM CPU name (``llc -mcpu=help``) works too
-TARGET_LEVELS = ("x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4")
-# Portable by default: modules travel, and measured here x86-64-v3 code was no
-# slower than the host's own CPU (ResNet-18 / ShuffleNet paired v3/native 0.99 /
-# 0.98 in-process): the heavy operators are firmware kernels that choose their
-# instructions at run time; generated glue is a few percent of a call.
-DEFAULT_TARGET = "x86-64-v3"
-
-# LLVM feature name -> /proc/cpuinfo flag, for the instruction-set extensions
-# generated code may use (what the device's loader checks, dspx.device.core.cpu)
-_CPUINFO_FLAG = {
-    "sse3": "pni", "ssse3": "ssse3", "sse4.1": "sse4_1", "sse4.2": "sse4_2", "popcnt": "popcnt",
-    "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi": "bmi1", "bmi2": "bmi2",
-    "lzcnt": "abm", "movbe": "movbe", "avx512f": "avx512f", "avx512cd": "avx512cd",
-    "avx512bw": "avx512bw", "avx512dq": "avx512dq", "avx512vl": "avx512vl",
-    "avx512ifma": "avx512ifma", "avx512vbmi": "avx512vbmi", "avx512vbmi2": "avx512_vbmi2",
-    "avx512vnni": "avx512_vnni", "avx512bitalg": "avx512_bitalg",
-    "avx512vpopcntdq": "avx512_vpopcntdq", "avx512bf16": "avx512_bf16",
-    "avx512fp16": "avx512_fp16", "avxvnni": "avx_vnni", "gfni": "gfni", "vaes": "vaes",
-    "vpclmulqdq": "vpclmulqdq", "sse4a": "sse4a", "amx-tile": "amx_tile", "amx-int8": "amx_int8",
-    "amx-bf16": "amx_bf16",
-}
-
-
-def resolve_cpu(target: str | None = None) -> str:
-    """The LLVM CPU for ``--target``: "native" (this machine, detected), an
-    x86-64 level, or an LLVM CPU name."""
-    from tvm.target import codegen
-
-    if target is None:  # the default, unless this machine could not even run it
-        return DEFAULT_TARGET if not _missing_here(cpu_features(DEFAULT_TARGET)) else detect_mcpu()
-    name = target.strip()
-    if name == "native":
-        return detect_mcpu()
-    try:
-        valid = codegen.llvm_is_valid_cpu(name, "x86_64-linux-gnu")
-    except Exception:  # noqa: BLE001 - LLVM builds without the helper: trust the name
-        valid = True
-    if not valid:
-        raise CompileError(f"unknown --target {name!r}: use native, {', '.join(TARGET_LEVELS)} "
-                           f"or an LLVM x86 CPU name (e.g. znver4, icelake-server)")
-    return name
-
-
-def cpu_features(mcpu: str) -> list[str]:
-    """The /proc/cpuinfo flags code generated for ``mcpu`` may need."""
-    import tvm
-    from tvm.target import codegen
-
-    t = tvm.target.Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": mcpu})
-    return sorted({_CPUINFO_FLAG[f] for f in codegen.llvm_get_cpu_features(t) if f in _CPUINFO_FLAG})
-
-
-def make_target(target: str | None = None) -> dict:
-    return {"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": resolve_cpu(target),
-            "num-cores": os.cpu_count() or 1}
 
 
 class _Progress:
@@ -370,7 +285,7 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
                          subgraphs)
     if verify:
         with prog.stage("verify", "verify against a reference"):
-            missing = _missing_here(features)
+            missing = missing_here(features)
             if missing:
                 report = {"skipped": f"this machine lacks {', '.join(missing)} for {target_dict['mcpu']}"}
             else:
@@ -454,18 +369,6 @@ def _partition(model: onnx.ModelProto, wanted: bool | None, possible: bool):
         subgraph.log.warning("subgraph not offloaded (onnxruntime refuses it: %s); compiling op by op", why)
         return None
     return part
-
-
-def _missing_here(features: list[str]) -> list[str]:
-    """Features the target needs that this machine's CPU lacks (then the
-    module cannot be verified here)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    m = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
-    have = set(m.group(1).split()) if m else set(features)
-    return sorted(set(features) - have)
 
 
 def _one_line(e: Exception) -> str:

@@ -166,9 +166,14 @@ def build_cached(name: str, sources: Sequence[Path], flags: Sequence[str] = (), 
 
 
 def runtime_shim() -> Path:
-    """The core's runtime shim (dsp/runtime.c), built once."""
+    """The core's runtime shim (dsp/runtime.c, which takes the wire's status
+    codes from the generated dspx_wire.h), built once."""
+    from . import gen_wire
+
+    wire = gen_wire.include_dir(cache_root())
     return build_cached("libdspx_dsp_rt.so", [DSP_DIR / "runtime.c"],
-                        ["-Wall", "-Wextra", "-Werror", "-fvisibility=hidden", "-pthread", "-ldl"], sdk=False)
+                        ["-Wall", "-Wextra", "-Werror", "-fvisibility=hidden", "-pthread", "-ldl", f"-I{wire}"],
+                        sdk=False)
 
 
 def builtin_softmax() -> Path:

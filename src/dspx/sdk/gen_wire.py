@@ -14,6 +14,7 @@ generator bug cannot compile.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import struct
 import sys
@@ -232,15 +233,28 @@ def generate() -> str:
     return "\n".join(L)
 
 
-def write(path) -> Path:
+def write(path, text: str | None = None) -> Path:
+    """Write the header (``text``, else a fresh ``generate()``) unless it is already there."""
     path = Path(path)
-    text = generate()
+    text = generate() if text is None else text
     if not path.exists() or path.read_text() != text:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # one per process: cores start together
         tmp.write_text(text)
         tmp.replace(path)
     return path
+
+
+def include_dir(parent) -> Path:
+    """A folder holding ``dspx_wire.h`` under ``parent``, named for the
+    header's digest: an ``-I`` of it names the header's content, so a build
+    keyed by its flags is rebuilt when the protocol table changes."""
+    from dspx import cache
+
+    text = generate()
+    out = Path(parent) / f"wire-{cache.digest((), text)}"
+    write(out / "dspx_wire.h", text)
+    return out
 
 
 if __name__ == "__main__":

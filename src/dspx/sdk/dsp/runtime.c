@@ -21,11 +21,9 @@
 #include <unistd.h>
 
 #include "dspx/dsp.h"
+#include "dspx_wire.h" /* the wire's status codes, generated from dspx.abi.protocol (dspx.sdk.gen_wire) */
 
 #undef printf
-
-/* dspx wire status codes (dspx.abi.protocol.Status) */
-enum { ST_INVALID = -2, ST_NOMEM = -3, ST_TIMEOUT = -5, ST_ADDR = -6 };
 
 #define MAX_REGIONS 256
 #define MAX_MAPS 256
@@ -194,13 +192,13 @@ static char collect_error[256];
 
 DSPX_EXPORT int hb_dsp_register_fn(int cmd, handle_fn handle, int latency) {
     if (!collecting)
-        return fail(ST_INVALID, "RuntimeMisuse: hb_dsp_register_fn(0x%x) outside dspx_ops_init", (unsigned)cmd);
+        return fail(DSPX_STATUS_ERR_INVALID, "RuntimeMisuse: hb_dsp_register_fn(0x%x) outside dspx_ops_init", (unsigned)cmd);
     const char *why = cmd < 0 ? "a negative command id" : handle == NULL ? "a NULL handler"
                       : latency < 0 ? "a negative latency" : nregs == MAX_REGS ? "too many operators" : NULL;
     if (why != NULL) {
         if (!collect_error[0])
             snprintf(collect_error, sizeof collect_error, "hb_dsp_register_fn(0x%x): %s", (unsigned)cmd, why);
-        return ST_INVALID;
+        return DSPX_STATUS_ERR_INVALID;
     }
     regs[nregs].cmd = cmd;
     regs[nregs].fn = handle;
@@ -251,14 +249,14 @@ static int inside(const uint8_t *p, size_t n, const uint8_t *lo, size_t size) {
 DSPX_EXPORT void *hb_dsp_mem_map(uint64_t dsp_addr, uint32_t size) {
     struct dspx_ctx *c = cur;
     if (c == NULL) {
-        fail(ST_INVALID, "RuntimeMisuse: hb_dsp_mem_map called outside a task");
+        fail(DSPX_STATUS_ERR_INVALID, "RuntimeMisuse: hb_dsp_mem_map called outside a task");
         return MAP_FAILED;
     }
     for (int i = 0; i < c->nregions; i++) {
         struct region *r = &c->regions[i];
         if (dsp_addr >= r->dsp && size <= r->size && dsp_addr - r->dsp <= r->size - size) {
             if (c->nmaps == MAX_MAPS) {
-                fail(ST_INVALID, "RuntimeMisuse: hb_dsp_mem_map: %d mappings already live", MAX_MAPS);
+                fail(DSPX_STATUS_ERR_INVALID, "RuntimeMisuse: hb_dsp_mem_map: %d mappings already live", MAX_MAPS);
                 return MAP_FAILED;
             }
             uint8_t *p = r->host + (dsp_addr - r->dsp);
@@ -268,7 +266,7 @@ DSPX_EXPORT void *hb_dsp_mem_map(uint64_t dsp_addr, uint32_t size) {
             return p;
         }
     }
-    fail(ST_ADDR, "MapError: mem_map(0x%llx, %u): range 0x%llx+%u is not inside any buffer of this connection",
+    fail(DSPX_STATUS_ERR_ADDR, "MapError: mem_map(0x%llx, %u): range 0x%llx+%u is not inside any buffer of this connection",
          (unsigned long long)dsp_addr, size, (unsigned long long)dsp_addr, size);
     return MAP_FAILED;
 }
@@ -276,7 +274,7 @@ DSPX_EXPORT void *hb_dsp_mem_map(uint64_t dsp_addr, uint32_t size) {
 DSPX_EXPORT int hb_dsp_mem_unmap(uint64_t addr) {
     struct dspx_ctx *c = cur;
     if (c == NULL)
-        return fail(ST_INVALID, "RuntimeMisuse: hb_dsp_mem_unmap called outside a task");
+        return fail(DSPX_STATUS_ERR_INVALID, "RuntimeMisuse: hb_dsp_mem_unmap called outside a task");
     for (int i = c->nmaps - 1; i >= 0; i--) {
         uint64_t p = (uint64_t)(uintptr_t)c->maps[i].host;
         if (p == addr || (addr <= UINT32_MAX && (uint32_t)p == (uint32_t)addr)) {
@@ -284,7 +282,7 @@ DSPX_EXPORT int hb_dsp_mem_unmap(uint64_t addr) {
             return 0;
         }
     }
-    return fail(ST_INVALID, "RuntimeMisuse: hb_dsp_mem_unmap(0x%llx): not a pointer hb_dsp_mem_map returned "
+    return fail(DSPX_STATUS_ERR_INVALID, "RuntimeMisuse: hb_dsp_mem_unmap(0x%llx): not a pointer hb_dsp_mem_map returned "
                 "(or already unmapped)", (unsigned long long)addr);
 }
 
@@ -333,17 +331,17 @@ static int tile_index(struct dspx_ctx *c, const uint8_t *p) {
 DSPX_EXPORT void *xvAllocateBuffer(xvTileManager *tm, int32_t size, int32_t color, int32_t align) {
     struct dspx_ctx *c = cur;
     if (!tm_ok(c, tm)) {
-        fail(ST_INVALID, "RuntimeMisuse: xvAllocateBuffer: tm %p is not the running task's tile manager "
+        fail(DSPX_STATUS_ERR_INVALID, "RuntimeMisuse: xvAllocateBuffer: tm %p is not the running task's tile manager "
              "(pass the handler's tm unchanged, during that task)", (void *)tm);
         return NULL;
     }
     if (size <= 0 || (color != 0 && color != 1) || align <= 0 || (align & (align - 1))) {
-        fail(ST_INVALID, "RuntimeMisuse: xvAllocateBuffer(size %d, bank %d, align %d): size must be > 0, "
+        fail(DSPX_STATUS_ERR_INVALID, "RuntimeMisuse: xvAllocateBuffer(size %d, bank %d, align %d): size must be > 0, "
              "bank 0 or 1, align a power of two", size, color, align);
         return NULL;
     }
     if (c->ntiles == MAX_TILES) {
-        fail(ST_NOMEM, "TileExhausted: %d tiles already live", MAX_TILES);
+        fail(DSPX_STATUS_ERR_NOMEM, "TileExhausted: %d tiles already live", MAX_TILES);
         return NULL;
     }
     uintptr_t base = (uintptr_t)c->l2, a = (uintptr_t)align;
@@ -367,7 +365,7 @@ DSPX_EXPORT void *xvAllocateBuffer(xvTileManager *tm, int32_t size, int32_t colo
             break;
         prev = c->tiles[i].off + c->tiles[i].size;
     }
-    fail(ST_NOMEM, "TileExhausted: L2 bank %d: cannot allocate a %d-byte tile (free %zu of %zu bytes, "
+    fail(DSPX_STATUS_ERR_NOMEM, "TileExhausted: L2 bank %d: cannot allocate a %d-byte tile (free %zu of %zu bytes, "
          "largest hole %zu)", color, size, free_bytes, hi - lo, largest);
     return NULL;
 }
@@ -393,13 +391,13 @@ static int pinned(struct dspx_ctx *c, int k, size_t off) {
 DSPX_EXPORT int32_t xvFreeBuffer(xvTileManager *tm, void const *buf) {
     struct dspx_ctx *c = cur;
     if (!tm_ok(c, tm)) {
-        fail(ST_INVALID, "RuntimeMisuse: xvFreeBuffer: tm %p is not the running task's tile manager "
+        fail(DSPX_STATUS_ERR_INVALID, "RuntimeMisuse: xvFreeBuffer: tm %p is not the running task's tile manager "
              "(pass the handler's tm unchanged, during that task)", (void *)tm);
         return XVTM_ERROR;
     }
     int i = tile_index(c, buf);
     if (i < 0) {
-        fail(ST_INVALID, "RuntimeMisuse: xvFreeBuffer(%p): not a live tile (double free, or not from "
+        fail(DSPX_STATUS_ERR_INVALID, "RuntimeMisuse: xvFreeBuffer(%p): not a live tile (double free, or not from "
              "xvAllocateBuffer)", buf);
         return XVTM_ERROR;
     }
@@ -428,7 +426,7 @@ static int dma_range_ok(struct dspx_ctx *c, const uint8_t *p, size_t n, int *til
                 *tile_off = c->tiles[i].off;
                 return 0;
             }
-        return fail(ST_INVALID, "DmaError: DMA %s L2+0x%zx (+%zu) is not inside a live tile (freed, or never "
+        return fail(DSPX_STATUS_ERR_INVALID, "DmaError: DMA %s L2+0x%zx (+%zu) is not inside a live tile (freed, or never "
                     "allocated)", what, (size_t)(p - c->l2), n);
     }
     for (int i = 0; i < c->nregions; i++)
@@ -436,15 +434,15 @@ static int dma_range_ok(struct dspx_ctx *c, const uint8_t *p, size_t n, int *til
             return 0;
     if (inside(p, n, c->in, c->in_size) || inside(p, n, c->out, c->out_size))
         return 0;
-    return fail(ST_INVALID, "DmaError: DMA %s %p (+%zu) is not inside the task's buffers or a live L2 tile",
+    return fail(DSPX_STATUS_ERR_INVALID, "DmaError: DMA %s %p (+%zu) is not inside the task's buffers or a live L2 tile",
                 what, (const void *)p, n);
 }
 
 static int channel_ok(struct dspx_ctx *c, int32_t ch, const char *api) {
     if (c == NULL)
-        return fail(ST_INVALID, "RuntimeMisuse: %s called outside a task", api);
+        return fail(DSPX_STATUS_ERR_INVALID, "RuntimeMisuse: %s called outside a task", api);
     if (ch < 0 || ch >= DSPX_DMA_CHANNELS)
-        return fail(ST_INVALID, "DmaError: %s: DMA channel %d does not exist (channels 0..%d)", api, ch,
+        return fail(DSPX_STATUS_ERR_INVALID, "DmaError: %s: DMA channel %d does not exist (channels 0..%d)", api, ch,
                     DSPX_DMA_CHANNELS - 1);
     return 0;
 }
@@ -454,7 +452,7 @@ static int32_t submit(struct dspx_ctx *c, int32_t chn, const struct job *jb) {
     pthread_mutex_lock(&ch->mu);
     if (ch->submitted - ch->waited >= QCAP) {
         pthread_mutex_unlock(&ch->mu);
-        return fail(ST_INVALID, "DmaError: DMA channel %d has %d copies not waited for (the most it queues)",
+        return fail(DSPX_STATUS_ERR_INVALID, "DmaError: DMA channel %d has %d copies not waited for (the most it queues)",
                     chn, QCAP);
     }
     uint64_t ticket = ch->submitted;
@@ -471,7 +469,7 @@ DSPX_EXPORT int32_t dspx_idma_copy(int32_t chn, const void *src, void *dst, int3
     if (bad)
         return bad;
     if (nbytes <= 0)
-        return fail(ST_INVALID, "DmaError: IDMA_COPY of %d bytes (must be > 0)", nbytes);
+        return fail(DSPX_STATUS_ERR_INVALID, "DmaError: IDMA_COPY of %d bytes (must be > 0)", nbytes);
     struct job jb;
     memset(&jb, 0, sizeof jb);
     jb.src = src;
@@ -503,7 +501,7 @@ static int32_t wait_channel(struct dspx_ctx *c, int32_t chn) {
         ch->waited = ch->submitted;
     pthread_mutex_unlock(&ch->mu);
     if (left)
-        return fail(ST_TIMEOUT, "DmaTimeout: DMA channel %d: %llu copies not complete after %d s", chn,
+        return fail(DSPX_STATUS_ERR_TIMEOUT, "DmaTimeout: DMA channel %d: %llu copies not complete after %d s", chn,
                     (unsigned long long)left, DMA_TIMEOUT_S);
     return 0;
 }
@@ -609,7 +607,7 @@ static int pattern_range_ok(struct dspx_ctx *c, const struct pattern *pt, int *t
             hi += span;
     }
     if (pt->base == NULL)
-        return fail(ST_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: NULL %s pointer", what);
+        return fail(DSPX_STATUS_ERR_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: NULL %s pointer", what);
     return dma_range_ok(c, pt->base + lo, (size_t)(hi - lo), tile, off, what);
 }
 
@@ -625,10 +623,10 @@ DSPX_EXPORT int32_t DmaUtilsAutoInc3d_configure(int32_t chn, const DmaUtilsAutoI
     struct autoinc next;
     memset(&next, 0, sizeof next);
     if (prop->syncType < DMAUTILSAUTOINC3D_SYNC_1D || prop->syncType > DMAUTILSAUTOINC3D_SYNC_4D)
-        return fail(ST_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: syncType %d (0..3)", prop->syncType);
+        return fail(DSPX_STATUS_ERR_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: syncType %d (0..3)", prop->syncType);
     if (pattern_from(&next.sp, prop->ioPointers.srcPtr, sc, sd) ||
         pattern_from(&next.dp, prop->ioPointers.dstPtr, dc, dd))
-        return fail(ST_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: every icnt must be >= 1");
+        return fail(DSPX_STATUS_ERR_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: every icnt must be >= 1");
     uint64_t sblock = 1, dblock = 1, stotal = 1, dtotal = 1;
     for (int k = 0; k < 4; k++) {
         if (k <= prop->syncType) {
@@ -639,7 +637,7 @@ DSPX_EXPORT int32_t DmaUtilsAutoInc3d_configure(int32_t chn, const DmaUtilsAutoI
         dtotal *= (uint64_t)dc[k];
     }
     if (stotal != dtotal || sblock != dblock)
-        return fail(ST_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: source moves %llu bytes (%llu per block), "
+        return fail(DSPX_STATUS_ERR_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: source moves %llu bytes (%llu per block), "
                     "destination %llu (%llu per block)", (unsigned long long)stotal, (unsigned long long)sblock,
                     (unsigned long long)dtotal, (unsigned long long)dblock);
     if (pattern_range_ok(c, &next.sp, &next.tiles[0], &next.tile_off[0], "source") ||
@@ -659,9 +657,9 @@ DSPX_EXPORT int32_t DmaUtilsAutoInc3d_trigger(int32_t chn) {
         return bad;
     struct autoinc *ai = &c->ch[chn].ai;
     if (!ai->configured)
-        return fail(ST_INVALID, "DmaError: DmaUtilsAutoInc3d_trigger: nothing configured on channel %d", chn);
+        return fail(DSPX_STATUS_ERR_INVALID, "DmaError: DmaUtilsAutoInc3d_trigger: nothing configured on channel %d", chn);
     if (ai->next == ai->nblocks)
-        return fail(ST_INVALID, "DmaError: DmaUtilsAutoInc3d_trigger: all %llu blocks of channel %d already "
+        return fail(DSPX_STATUS_ERR_INVALID, "DmaError: DmaUtilsAutoInc3d_trigger: all %llu blocks of channel %d already "
                     "triggered", (unsigned long long)ai->nblocks, chn);
     struct job jb;
     memset(&jb, 0, sizeof jb);
@@ -769,7 +767,7 @@ DSPX_EXPORT void dspx_rt_free(struct dspx_ctx *c) {
 /* The connection's buffers for the next task: n triples (dsp addr, size, host ptr). */
 DSPX_EXPORT int dspx_rt_set_regions(struct dspx_ctx *c, int n, const uint64_t *triples) {
     if (n < 0 || n > MAX_REGIONS)
-        return ST_INVALID;
+        return DSPX_STATUS_ERR_INVALID;
     for (int i = 0; i < n; i++) {
         c->regions[i].dsp = triples[3 * i];
         c->regions[i].size = triples[3 * i + 1];

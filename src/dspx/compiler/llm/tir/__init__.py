@@ -1,0 +1,30 @@
+"""The hand-scheduled TIR kernels of one entry, one factory per kernel
+(fused dequantize-GEMV, RMSNorm, RoPE + in-place KV append, causal GQA
+attention over the cache, SiLU-gate); ``kernels`` builds the set."""
+from __future__ import annotations
+
+from ..sizing import Dims
+from .attention import attention
+from .common import PR, REG, vexp  # noqa: F401  (re-exported)
+from .gemv import gemv_q4_1, gemv_q8_0
+from .kv import kv_write
+from .pointwise import embed, rmsnorm, silu_mul
+
+
+def kernels(d: Dims, M: int, parallel_gemv: bool) -> dict:
+    """Every kernel for one entry (M = rows per call: 64 prefill, 1 decode),
+    by the name the entry calls it."""
+    assert d.head_dim == 64, "the attention kernel's q·k is written for head_dim 64"
+    D, F, P = d.dim, d.ffn, parallel_gemv
+    return {
+        "rmsnorm": rmsnorm(d, M),
+        "kv_write": kv_write(d, M),
+        "attention": attention(d, M, P),
+        "silu_mul": silu_mul(d, M),
+        "embed": embed(d, M),
+        "gemv_qkv": gemv_q4_1(M, D, d.qkv, P),
+        "gemv_o": gemv_q4_1(M, D, D, P),
+        "gemv_gate_up": gemv_q4_1(M, D, 2 * F, P),
+        "gemv_down": gemv_q4_1(M, F, D, P),
+        "lm_head": gemv_q8_0(M, D, d.vocab, P),
+    }
