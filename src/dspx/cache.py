@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -54,7 +54,10 @@ def publish(out: Path, build: Callable[[Path], object], *, complete: str) -> boo
     if (out / complete).exists():
         return False
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    # os.mkdir honours the umask (mkdtemp would make it 0700): a shared
+    # $DSPX_CACHE stays readable by the users it is shared with.
+    tmp = out.parent / f".{out.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    os.mkdir(tmp)
     try:
         build(tmp)
         if out.exists() and not (out / complete).exists():
