@@ -351,3 +351,18 @@ def test_an_unsupported_dtype_is_named_with_the_supported_ones():
         P.DType.code_bits("complex64")
     assert str(e.value) == ("unsupported dtype 'complex64'; supported: ['float16', 'float32', 'float64', 'int16', "
                             "'int32', 'int64', 'int8', 'uint16', 'uint32', 'uint64', 'uint8']")
+
+
+@pytest.mark.parametrize("desc,ok", [
+    (P.TensorDesc(0, 4, 0, 2, 32, ()), True),               # a scalar: ndim 0
+    (P.TensorDesc(0, 4, 6, 2, 32, (1,) * 6), True),         # ndim 6
+    (P.TensorDesc(0, 0, 2, 2, 32, (0, 5)), True),           # an empty tensor
+    (P.TensorDesc(0, 2, 1, 1, 8, (2,)), True),              # uint8: 1 byte each
+    (P.TensorDesc(0, 3, 1, 2, 16, (2,)), False),            # float16 x2 is 4 bytes, not 3
+])
+def test_descriptor_edges(desc, ok):
+    assert (desc.check() is None) == ok, desc.check()
+
+
+def test_descriptor_size_text_names_bytes_per_element():
+    assert P.TensorDesc(0, 5, 1, 0, 16, (2,)).check() == "data_size 5 != 2 elements x 2 bytes for shape [2]"

@@ -1,12 +1,20 @@
 """Back-pressure: floods of requests, connections and allocations get
 ERR_BUSY / ERR_NOMEM answers (or a refused connection), never a hang or an
 unbounded queue; a client that never reads its responses cannot make the
-device's memory grow.  Limits: docs/reliability.md."""
+device's memory grow; the front answers at once while a core is busy; one
+process gets only its share of the connections; the front spends one fd per
+buffer and stays up at its fd limit.  Limits: docs/reliability.md."""
 from __future__ import annotations
 
 import errno
+import os
+import re
+import resource
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -15,37 +23,19 @@ import psutil
 import pytest
 
 from dspx.abi import protocol as P
-from dspx.errors import OutOfMemory
+from dspx.errors import DeviceError, OutOfMemory
 from dspx.host.client import Client
 from dspx.host.tasks import Tasks
-from conftest import Device
+import spin_ops
+from spin_ops import NOP, SPIN
 
 HDR = struct.Struct("<IIIi")
-SPIN, NOP = 0x3C01, 0x3C02
 PER_CONN, TOTAL, MAX_CONNS, MAX_BUFS = 256, 4096, 512, 128  # service.py limits
-OPS = textwrap.dedent("""
-    import numpy as np
-    from dspx.device.core import runtime as rt
-
-    @rt.register_op(0x3C01)
-    def spin(inp, out, tm):
-        ms = int(np.frombuffer(inp, np.int32, count=1)[0])
-        t0 = rt.cycles()
-        while rt.cycles() - t0 < ms * 1_000_000:
-            pass
-        return 0
-
-    @rt.register_op(0x3C02)
-    def nop(inp, out, tm):
-        return 0
-""")
 
 
 @pytest.fixture(scope="module")
 def bdev():
-    d = Device("--carveout-size", "64M", "--ddr-pool-size", "64M")
-    with Tasks(socket=d.path) as u:
-        u.load_ops(OPS)
+    d = spin_ops.device("--carveout-size", "64M", "--ddr-pool-size", "64M")
     yield d
     d.stop()
 
@@ -273,3 +263,195 @@ def test_pipelining_client_never_deadlocks_with_flow_control(bdev):
         assert time.monotonic() - t0 < 30
         assert set(statuses) <= {P.Status.SUCCESS, P.Status.ERR_BUSY}
         assert statuses.count(P.Status.ERR_BUSY) > 0 and statuses.count(P.Status.SUCCESS) >= PER_CONN - 1
+
+
+# ---------------------------------------------------------------- a busy core, connection shares, fd budgets
+
+def big_library(cmd: int) -> str:
+    """An ordinary op library of ~120 KiB (a table in its source)."""
+    table = ",".join(str(i % 251) for i in range(30_000))
+    return textwrap.dedent(f"""
+        import numpy as np
+        from dspx.device.core import runtime as rt
+        TABLE = np.array([{table}], np.uint8)
+
+        @rt.register_op({cmd})
+        def op(inp, out, tm):
+            return int(TABLE[0])
+    """)
+
+
+def raw(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(path)  # blocking: waits while the listen backlog is full
+    s.settimeout(10)
+    return s
+
+
+def ping_s(s: socket.socket, seq: int = 1) -> float:
+    t0 = time.monotonic()
+    s.send(HDR.pack(P.MsgType.PING, seq, 16, 0))
+    r = s.recv(64)
+    assert HDR.unpack_from(r)[:4] == (0x1001, seq, 24, 0), r
+    return time.monotonic() - t0
+
+
+def test_ping_answers_while_a_core_runs_a_long_task_and_libraries_load_and_clients_close(spin_device):
+    """A core busy for 8 s does not read its channel; the front still answers
+    a bystander's PING within 0.5 s while 120 KiB libraries load (copies queued
+    for that core) and clients close with 120 mapped buffers each."""
+    busy = Tasks(socket=spin_device.path)
+    inp, out = busy.malloc(4), busy.malloc(8)
+    inp.view(np.int32, 1)[0] = 8000
+    busy.submit(busy.rpc(SPIN, inp, out), core=1)
+    while bytes(out.vir[:4]) != b"RUN!":
+        time.sleep(0.001)
+    by = raw(spin_device.path)
+    worst = 0.0
+    loaders = [Tasks(socket=spin_device.path) for _ in range(3)]
+    import threading
+    loads = [threading.Thread(target=u.load_ops, args=(big_library(0x3C00 + i),)) for i, u in enumerate(loaders)]
+    try:
+        for t in loads:  # each waits until core 1 has it too: the answers come after the 8 s task
+            t.start()
+        for i in range(10):
+            worst = max(worst, ping_s(by, 10 + i))
+            time.sleep(0.02)
+        for i in range(4):  # clients whose buffers core 1 knows, closing while it is busy
+            c = Client(spin_device.path, staging_size=0, printf_size=0, timeout=10)
+            t = Tasks(client=c)
+            mems = [t.malloc(4096) for _ in range(120)]
+            t.wait(t.submit(t.rpc(SPIN, mems[0], mems[1]), core=0), 10_000)  # core 0 maps all 120
+            t.submit(t.rpc(SPIN, mems[0], mems[1]), core=1)  # queued behind the long task
+            c.close()
+            worst = max(worst, ping_s(by, 20 + i))
+        for i in range(20):
+            worst = max(worst, ping_s(by, 40 + i))
+        assert worst < 0.5, f"slowest PING {worst:.3f} s while core 1 was busy"
+    finally:
+        busy.close()  # aborts the 8 s task
+        for t in loads:
+            t.join(30)
+        for u in loaders:
+            u.close()
+        by.close()
+    with Tasks(socket=spin_device.path) as u:  # core 1 serves again
+        t = u.run(SPIN, u.malloc(4), u.malloc(8), core=1)
+        assert t.return_value == 0
+
+
+def test_a_process_past_its_connection_share_is_refused_with_the_numbers_and_others_keep_theirs(spin_device):
+    per_peer = int(re.search(r"connections \((\d+) per process\)", spin_device.output()).group(1))
+    held = [raw(spin_device.path) for _ in range(per_peer)]
+    try:
+        for i, s in enumerate(held[:3]):
+            ping_s(s, i + 1)
+        with pytest.raises(DeviceError) as e:
+            Client(spin_device.path, staging_size=0, printf_size=0, timeout=10)
+        assert e.value.status_name == "ERR_BUSY"
+        assert f"has {per_peer} connections open to this device (limit {per_peer} per process)" in str(e.value)
+        # another process is not locked out, and the held connections still work
+        out = subprocess.run([sys.executable, "-c", "from dspx.host.client import Client; import sys; "
+                              f"print(Client({spin_device.path!r}, staging_size=0, printf_size=0).ping()['version'])"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == "3.0.0", out.stderr
+        for i, s in enumerate(held):
+            ping_s(s, 100 + i)
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_front_spends_one_fd_per_buffer(spin_device):
+    front = psutil.Process(spin_device.proc.pid)
+    with Client(spin_device.path, staging_size=0, printf_size=0, timeout=10) as c:
+        c.ping()
+        before = front.num_fds()
+        bufs = [c.alloc(4096) for _ in range(100)]
+        assert front.num_fds() - before == 100
+        for b in bufs:
+            c.detach(b)
+        assert front.num_fds() == before
+
+
+def _limit_fds(n: int):
+    def pre():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+    return pre
+
+
+def test_four_clients_with_128_buffers_at_a_1024_fd_limit_get_err_nomem_and_the_device_stays_up(tmp_path):
+    path = str(tmp_path / "d" / "dsp0.sock")
+    log = open(tmp_path / "device.log", "w+b")
+    proc = subprocess.Popen([sys.executable, "-m", "dspx.device", "--socket", path, "--cores", "2",
+                             "--carveout-size", "256M"], stdout=log, stderr=log, preexec_fn=_limit_fds(1024))
+    try:
+        deadline = time.monotonic() + 60
+        while "listening on" not in (text := open(tmp_path / "device.log").read()):
+            assert proc.poll() is None and time.monotonic() < deadline, text
+            time.sleep(0.01)
+        assert "fd limit 1024" in text
+        total = int(re.search(r"(\d+) buffers \(", text).group(1))
+        clients = [Tasks(socket=path, staging_size=0, printf_size=0) for _ in range(4)]
+        refused = []
+        for u in clients:
+            for _ in range(128):
+                try:
+                    u.malloc(4096)
+                except OutOfMemory as e:
+                    refused.append(str(e))
+        attached = 4 * 128 - len(refused)
+        assert attached == total, (attached, total)
+        assert refused and all(f"device has {total} buffers attached (limit {total} for all connections, from the "
+                                "fd limit 1024)" in r for r in refused), refused[:1]
+        # every core can still map what it is given: a task on each core over all 128 buffers of a client
+        u = clients[0]
+        u.free(u._mems[-1])  # room for the library's source buffer
+        u.load_ops(spin_ops.SOURCE)
+        i32 = u._mems[0]
+        i32.view(np.int32, 1)[0] = 0
+        for core in (0, 1):
+            assert u.run(SPIN, i32, u._mems[1], core=core).return_value == 0
+        with Tasks(socket=path, staging_size=0, printf_size=0) as v:  # a newcomer is still served
+            assert v.client.ping()["version"] == "3.0.0"
+        # a crashed core restarts under the limit: fault injection is off, so kill it from outside
+        core1 = sorted(children_of(proc))[-1]
+        os.kill(core1, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                # the new core 1 maps that client's 127 buffers again, and has the library again
+                assert u.run(SPIN, i32, u._mems[1], core=1).return_value == 0
+                break
+            except DeviceError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        for u in clients:
+            u.close()
+        assert proc.poll() is None
+        assert "Too many open files" not in open(tmp_path / "device.log").read()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def children_of(proc) -> set[int]:
+    return {p.pid for p in psutil.Process(proc.pid).children()}
+
+
+def test_ping_carrying_250_fds_gets_ping_resp_and_the_fds_are_closed(spin_device):
+    front = psutil.Process(spin_device.proc.pid)
+    s = raw(spin_device.path)
+    ping_s(s, 1)
+    before = front.num_fds()
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(250)]
+    try:
+        socket.send_fds(s, [HDR.pack(P.MsgType.PING, 2, 16, 0)], fds)
+        r = s.recv(64)
+        assert HDR.unpack_from(r)[:4] == (0x1001, 2, 24, 0) and len(r) == 24
+    finally:
+        for fd in fds:
+            os.close(fd)
+    ping_s(s, 3)
+    assert front.num_fds() == before
+    s.close()

@@ -166,7 +166,6 @@ def test_greedy_processes_leave_the_last_connections_to_processes_with_none():
         d.stop()
 
 
-
 # ---------------------------------------------------------------- time limits (finding 9)
 
 def test_a_job_time_limit_is_on_by_default():
@@ -227,5 +226,36 @@ def test_a_library_whose_top_level_loops_holds_one_core_not_all():
         t.join(60)
         e = result["error"]
         assert e.status_name in ("ERR_LOAD", "ERR_TIMEOUT") and str(e).split(": ", 1)[1].startswith("core 0:"), e
+    finally:
+        d.stop()
+
+
+def test_two_default_clients_share_a_default_device():
+    d = Device()  # the default sizes: 512 MiB window
+    try:
+        a, b = Client(d.path), Client(d.path)
+        pools = a.pools()
+        # PING-only clients: their printf rings, no staging, no KV
+        assert pools["carveout_used"] == 2 * (64 << 10), pools
+        assert a.staging is None and b.staging is None
+        # staging on first need, sized to it (1 MiB here); the KV region when first used
+        src = b"x" * 1000
+        a._stage(src, "test")
+        assert a.staging.size == 1 << 20
+        kv = a.kv_view(0, (4,), "float32")
+        kv[:] = [1, 2, 3, 4]
+        assert a.staging.size == (1 << 20) + a.kv_size
+        a._stage(b"y" * (3 << 20), "test")  # grows; the KV contents come along
+        assert a.staging.size == (3 << 20) + a.kv_size
+        assert list(a.kv_view(0, (4,), "float32")) == [1, 2, 3, 4]
+        # both clients can take memory; neither can take the whole window
+        keep = [b.alloc(64 << 20) for _ in range(2)]
+        with pytest.raises(OutOfMemory) as e:
+            for _ in range(8):
+                keep.append(a.alloc(64 << 20))
+        assert "connection quota" in str(e.value) and "of 402653184" in str(e.value), e.value
+        assert b.alloc(1 << 20)  # the other client still gets memory
+        a.close()
+        b.close()
     finally:
         d.stop()

@@ -1,9 +1,12 @@
-"""Faults: clients SIGKILLed in every phase, a device killed or frozen while
-hosts wait, a core that crashes (fault injection), handles from before a
-core restart.  See docs/reliability.md."""
+"""Faults: clients SIGKILLed in every phase (one of them mid-load, while
+its core imports), a device killed or frozen while hosts wait, a core that
+crashes (fault injection) and costs no bystander its modules or weights,
+handles from before a core restart.  See docs/reliability.md."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,40 +20,14 @@ import pytest
 from dspx.errors import BadHandle, CallFailed, DeviceLost, DeviceTimeout, UnknownOp
 from dspx.host.client import Client
 from dspx.host.tasks import Tasks
+from dspx.host.vm import VirtualMachine
+import spin_ops
 from conftest import Device
+from spin_ops import SPIN, STUBBORN
 
-SPIN, STUBBORN = 0x3A01, 0x3A02
 FAULT_CRASH = 0xFA01  # dspx.abi.ops.FAULT_CRASH_CMD, written out
 FREE_WITHIN_S = 2.0  # >= 5x the slowest figure measured (338 ms: a stubborn op, core killed and restarted)
 KEEP = ("carveout_used", "ddr_used", "connections", "modules")
-
-OPS = textwrap.dedent("""
-    import numpy as np
-    from dspx.device.core import runtime as rt
-
-    @rt.register_op(0x3A01)
-    def spin(inp, out, tm):
-        out[:4] = np.frombuffer(b"RUN!", np.uint8)  # tells the victim it runs
-        ms = int(np.frombuffer(inp, np.int32, count=1)[0])
-        t0 = rt.cycles()
-        while rt.cycles() - t0 < ms * 1_000_000:
-            pass
-        return 0
-
-    @rt.register_op(0x3A02)
-    def stubborn(inp, out, tm):
-        # Swallows the abort request: only killing its core stops it.
-        out[:4] = np.frombuffer(b"RUN!", np.uint8)
-        ms = int(np.frombuffer(inp, np.int32, count=1)[0])
-        t0 = rt.cycles()
-        while rt.cycles() - t0 < ms * 1_000_000:
-            try:
-                while rt.cycles() - t0 < ms * 1_000_000:
-                    pass
-            except Exception:
-                pass
-        return 0
-""")
 
 # The victim: a separate process that works in one phase until it is killed.
 VICTIM = textwrap.dedent("""
@@ -94,9 +71,7 @@ VICTIM = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def fdev():
-    d = Device("--carveout-size", "128M", "--ddr-pool-size", "128M", "--cores", "2")
-    with Tasks(socket=d.path) as u:
-        u.load_ops(OPS)
+    d = spin_ops.device("--carveout-size", "128M", "--ddr-pool-size", "128M", "--cores", "2")
     yield d
     d.stop()
 
@@ -203,7 +178,7 @@ def test_stubborn_long_op_costs_a_core_restart_but_nothing_else(fdev, so):
 
 def test_device_killed_while_hosts_wait_raises_device_lost(device):
     with Tasks(socket=device.path) as u:
-        u.load_ops(OPS)
+        u.load_ops(spin_ops.SOURCE)
     waiting = Tasks(socket=device.path)
     pinger = Client(device.path, staging_size=0, printf_size=0, timeout=30)
     i, o = waiting.malloc(4), waiting.malloc(8)
@@ -290,3 +265,62 @@ def test_core_crash_is_supervised_and_modules_are_loaded_again(crashable, so):
         after = cores_of(crashable)
         assert len(after) == 2 and len(after - core0) == 1
         assert "core 0 died" in crashable.output()
+
+
+def test_a_load_aborted_in_the_middle_of_an_import_restarts_its_core_and_later_loads_work(compiled):
+    """A client that dies while its load has the core importing torch (the
+    kernel library's first load) leaves that import torn; the core ends
+    itself instead of failing every later load, and the front restarts it."""
+    so = next(compiled("multi_output").glob("*.so"))
+    d = Device("--carveout-size", "64M", "--ddr-pool-size", "64M", "--cores", "1")
+    try:
+        (core,) = cores_of(d)
+        loader = subprocess.Popen([sys.executable, "-c", "import sys; from dspx.host.client import Client; "
+                                   "Client(socket=sys.argv[1]).load_module(open(sys.argv[2], 'rb').read())",
+                                   d.path, str(so)])
+        deadline = time.monotonic() + 60
+        while "libtorch_cpu" not in open(f"/proc/{core}/maps").read():  # the import has begun
+            assert time.monotonic() < deadline and loader.poll() is None, "the core never began importing torch"
+            time.sleep(0.005)
+        loader.kill()
+        loader.wait(10)
+        deadline = time.monotonic() + 30
+        while "core 0 died" not in d.output():
+            assert time.monotonic() < deadline, d.output()
+            time.sleep(0.05)
+        # The abort lands in Python code of the import (the core ends itself),
+        # or in C code that outlasts the abort's grace (the front kills it).
+        log = d.output()
+        assert (re.search(r"stopped while importing \S+; ending this core", log) and "died (exit 75)" in log
+                or "did not stop within" in log and "died (exit -9)" in log), log
+        with Client(socket=d.path) as c:
+            m = c.load_module(so.read_bytes())  # a fresh core imports everything again
+            assert m.handle
+        assert core not in cores_of(d), d.output()
+    finally:
+        d.stop()
+
+
+def test_a_bystanders_module_and_weights_survive_another_client_crashing_the_core(crashable, compiled):
+    mdir = compiled("multi_input", separate=True)
+    meta = json.loads((mdir / "metadata.json").read_text())
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(t["shape"]).astype(t["dtype"]) for t in meta["inputs"]]
+    vm = VirtualMachine(mdir, socket=crashable.path)  # a default client: staging on first need
+    try:
+        assert vm.model_id  # separate weights: MODEL_LOAD'ed too
+        out = vm["main"](*xs)
+        ref = [np.array(r) for r in (out if isinstance(out, list) else [out])]
+        cores = {p.pid for p in psutil.Process(crashable.proc.pid).children()}
+        with Tasks(socket=crashable.path) as crasher:
+            t = crasher.submit(crasher.rpc(FAULT_CRASH, crasher.malloc(4), crasher.malloc(4)), core=0)
+            with pytest.raises(CallFailed, match="core 0 crashed"):
+                crasher.wait(t, 20_000)
+        got = vm["main"](*xs)  # the first call after the restart: no error, same answer
+        got = got if isinstance(got, list) else [got]
+        for a, b in zip(got, ref):
+            np.testing.assert_array_equal(a, b)
+        assert len({p.pid for p in psutil.Process(crashable.proc.pid).children()} - cores) == 1
+        assert "core 0 died" in crashable.output()
+    finally:
+        vm.close()

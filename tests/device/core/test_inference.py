@@ -121,7 +121,6 @@ def _without_io_meta(so: bytes) -> bytes:
 
 # ---------------------------------------------------------------- a module with large outputs
 
-
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory, compiled):  # `compiled` first: it owns the TVM import
     from dspx.compiler import examples
@@ -638,3 +637,43 @@ def test_resnet_cycles_with_separate_weights_do_not_leak(shared_device, client_o
         assert p["ddr_used"] == start["ddr_used"] and p["modules"] == start["modules"], i
         rss.append(p["rss_bytes"])
     assert abs(rss[-1] - rss[0]) < 5 * MiB, rss
+
+
+def test_kv_resident_outputs_are_packed_from_the_kv_regions_base(default_device, client_of, compiled):
+    """The copy branch: multi_output's outputs 1..6 are new arrays, copied into
+    the KV region at the offsets layout.pack gives; output 0 goes to output_buf."""
+    from dspx.compiler.examples import random_inputs
+
+    d = compiled("multi_output")
+    meta = json.loads((d / "metadata.json").read_text())
+    x = random_inputs(meta, seed=3)
+    c = client_of(default_device.path, kv_size=1 << 16)
+    m = c.load_module((d / "model.so").read_bytes())
+    plain = c.infer(m.handle, x)
+    want = [np.array(c.output_view(desc)) for desc in plain.descs]
+    assert len(want) == 7
+    kv = c.kv_view(0, (1 << 16,), np.uint8)
+    kv[:] = 0xEE  # anything the device does not write stays visible
+    res = c.infer(m.handle, x, kv_resident=True)
+    assert len(res.descs) == 1
+    np.testing.assert_array_equal(c.output_view(res.descs[0]), want[0])
+    offsets, end = layout.pack(a.nbytes for a in want[1:])
+    assert offsets[0] == 0
+    for off, w in zip(offsets, want[1:]):
+        np.testing.assert_array_equal(c.kv_view(off, w.shape, w.dtype), w)
+    assert (kv[end:] == 0xEE).all()
+    c.unload_module(m.handle)
+
+
+def test_kv_resident_outputs_past_the_kv_region_are_err_size(default_device, client_of, compiled):
+    from dspx.errors import OutputTooSmall
+    from dspx.compiler.examples import random_inputs
+
+    d = compiled("multi_output")
+    meta = json.loads((d / "metadata.json").read_text())
+    c = client_of(default_device.path, kv_size=64)
+    m = c.load_module((d / "model.so").read_bytes())
+    with pytest.raises(OutputTooSmall) as e:
+        c.infer(m.handle, random_inputs(meta, seed=3), kv_resident=True)
+    assert e.value.status_name == "ERR_SIZE" and "KV region holds 64" in str(e.value)
+    assert c.ping()["version"] == "3.0.0"

@@ -14,6 +14,7 @@ import pytest
 from dspx.device.core import exports, loader
 from dspx.device.core.errors import LoadError, NoMemError, SymbolError, TensorError, WeightsError
 from dspx.abi.protocol import Status
+from dspx.errors import ModuleLoadError
 
 TOL = 1e-4
 
@@ -442,3 +443,60 @@ def test_a_renamed_dynamic_section_does_not_hide_dt_needed(tmp_path):
     with pytest.raises(LoadError) as e:
         loader.load_module(bytes(moved))
     assert str(e.value) == f"module: DT_SYMTAB 0x{dynsym['sh_addr']:x} is not the .dynsym section"
+
+
+def _cores(default_device) -> set[int]:
+    return {p.pid for p in psutil.Process(default_device.proc.pid).children()}
+
+
+CRASHING_MODULE = r"""
+/* Passes every check before mapping (ELF64 x86-64 shared object, no imports,
+   the TVM entry symbol), then segfaults in its constructor when mapped. */
+const char __tvm_ffi__library_bin[16] = "not a module";
+__attribute__((constructor)) static void crash(void) { *(volatile int *)8 = 1; }
+"""
+
+
+def _crashing_module(tmp_path) -> bytes:
+    src = tmp_path / "crash.c"
+    src.write_text(CRASHING_MODULE)
+    so = tmp_path / "crash.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-nostdlib", "-O0", "-o", str(so), str(src)], check=True)
+    return so.read_bytes()
+
+
+def test_a_module_that_crashes_the_loader_costs_the_probe_child_not_the_core(default_device, client_of, tmp_path):
+    elf = _crashing_module(tmp_path)
+    c = client_of(default_device.path)
+    cores = _cores(default_device)
+    with pytest.raises(ModuleLoadError) as e:
+        c.load_module(elf)
+    # the probe child's end is named (a signal: SIGSEGV, or SIGSYS where the probe runs sandboxed)
+    assert e.value.status_name == "ERR_LOAD" and "SIG" in str(e.value), e.value
+    assert _cores(default_device) == cores  # no core died and none was restarted
+    assert c.ping()["version"] == "3.0.0" and c.pools()["modules"] == 0
+
+
+def test_a_module_entry_that_raises_is_err_call(compiled):
+    """A real module's entry given arguments it cannot take: TVM raises, the
+    loader reports CallError (ERR_CALL) and the module still runs afterwards."""
+    import tvm
+
+    from dspx.device.core import loader
+    from dspx.device.core.errors import CallError
+    from dspx.compiler.examples import random_inputs
+
+    d = compiled("multi_output")
+    meta = json.loads((d / "metadata.json").read_text())
+    mod = loader.load_module((d / "model.so").read_bytes())
+    try:
+        wrong = tvm.runtime.tensor(np.zeros((3, 3), np.float32))
+        with pytest.raises(CallError) as e:
+            mod.call([wrong])
+        assert e.value.status == Status.ERR_CALL and "main failed" in str(e.value)
+        outs = mod.run(random_inputs(meta, seed=1))
+        assert len(outs) == 7
+    finally:
+        mod.unload()
+    with pytest.raises(CallError, match="unloaded"):
+        mod.call([])

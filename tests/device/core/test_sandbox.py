@@ -1,8 +1,8 @@
-"""Reliability II (issue 15, 7b/7c): what code running in a core can reach.
-
-A core holds the buffers of the connection it serves only; its seccomp
-allow-list refuses new files, sockets and exec to whatever runs in it.
-docs/reliability.md §5b states the rules."""
+"""The core's sandbox (device/core/sandbox.py): what code running in a core
+can reach.  A core holds the buffers of the connection it serves only; its
+seccomp allow-list refuses new files, sockets and exec to whatever runs in
+it, op library code past the import check included.  docs/reliability.md
+§5b states the rules."""
 from __future__ import annotations
 
 import os
@@ -172,5 +172,31 @@ def test_op_library_code_in_a_core_creates_no_file_and_no_socket_and_exec_ends_i
             assert re.search(r"core 0 died \(exit -31\)", dev.output()), dev.output()[-2000:]  # SIGSYS
             assert u.client.ping()["version"] == "3.0.0"
             assert attempt(12) == 0  # the restarted core serves again, the library loaded on it again
+        finally:
+            u.unload_ops(h)
+
+
+def test_the_core_refuses_sockets_to_op_library_code(dev):
+    """Past the import check (op libraries are trusted code), the core's own
+    filter still refuses new sockets: EPERM in the handler.  (Exec ends the
+    core, new files are refused: tests/test_reliability2_sandbox.py.)"""
+    src = textwrap.dedent("""
+        from numpy.f2py import os  # an escape from the import check
+        from dspx.device.core import runtime as rt
+
+        @rt.register_op(0x3F02)
+        def try_socket(inp, out, tm):
+            import numpy.f2py
+            sock = numpy.f2py.os.sys.modules["socket"]
+            try:
+                sock.socket(sock.AF_INET, sock.SOCK_STREAM)
+            except OSError as e:
+                return e.errno
+            return 0
+    """)
+    with Tasks(socket=dev.path) as u:
+        h, _ = u.load_ops(src)
+        try:
+            assert u.run(0x3F02, u.malloc(4), u.malloc(4)).return_value == 1  # EPERM
         finally:
             u.unload_ops(h)

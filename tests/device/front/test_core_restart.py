@@ -14,7 +14,7 @@ from dspx.abi.protocol import Status as S
 from dspx.device import jobs
 from dspx.device.front.handlers import Forget, Handlers, Notify
 from dspx.device.front.state import MAX_BUFS_PER_CONN, MAX_CONNS, Limits, ModuleRec
-from test_front_handlers import SIG, responses, submitted
+from front_harness import SIG, responses, submitted
 
 MiB = 1 << 20
 

@@ -1,10 +1,15 @@
-"""The front's supervision of cores, driven in-process (no client, no listening socket)."""
+"""The front's supervision of cores, driven in-process (no client, no
+listening socket), and the environment a core starts with."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
+import psutil
+
 from dspx.device.front.loop import Service
+from conftest import Device
 
 
 def _wait_exit(c, timeout=20.0):
@@ -34,3 +39,29 @@ def test_a_core_that_dies_before_its_hello_is_restarted_with_a_growing_backoff(t
         assert 0 < delays[0] < delays[1] <= 5.0
     finally:
         c.stop()
+
+
+def test_cores_start_with_a_short_tvm_spin_unless_the_caller_sets_one():
+    """TVM's pool spins ~0.3 s after each parallel region by default, taking
+    half the CPU from whatever runs next on a 2-vCPU machine; cores get a
+    short spin, and a caller's own setting wins."""
+    from dspx.device.front.cores import TVM_SPIN_COUNT
+
+    def core_env(d):
+        (core,) = [p for p in psutil.Process(d.proc.pid).children() if "--index" in p.cmdline()]
+        return core.environ()
+
+    d = Device("--carveout-size", "64M", "--ddr-pool-size", "64M")
+    try:
+        assert core_env(d)["TVM_THREAD_POOL_SPIN_COUNT"] == str(TVM_SPIN_COUNT) == "5000"
+    finally:
+        d.stop()
+    os.environ["TVM_THREAD_POOL_SPIN_COUNT"] = "123"
+    try:
+        d = Device("--carveout-size", "64M", "--ddr-pool-size", "64M")
+    finally:
+        del os.environ["TVM_THREAD_POOL_SPIN_COUNT"]
+    try:
+        assert core_env(d)["TVM_THREAD_POOL_SPIN_COUNT"] == "123"
+    finally:
+        d.stop()

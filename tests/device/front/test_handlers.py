@@ -1,13 +1,15 @@
-"""Every status the front's handlers answer, from every place that answers it
-(docs/reliability.md, "Rules and their tests").  Handlers are driven directly:
-no socket, no core.  Each test is named after the rule it checks; where a rule
-has an edge (a limit, a size), both sides of it are tested, so a check that
-moves by one fails.
+"""The front's request handlers (device/front/handlers.py), driven directly:
+no socket, no core.  Every status they answer, from every place that answers
+it (docs/reliability.md, "Rules and their tests").  A handler takes (conn,
+request, fds) and returns actions; dmabufs are real sealed memfds so attach
+maps real pages (tests/front_harness.py).  Each test is named after the rule
+it checks; where a rule has an edge (a limit, a size), both sides of it are
+tested, so a check that moves by one fails.
 """
 from __future__ import annotations
 
-import fcntl
 import os
+import struct
 
 import pytest
 
@@ -15,17 +17,11 @@ from dspx import memory
 from dspx.abi import layout, protocol as P
 from dspx.abi.protocol import Status as S
 from dspx.device import jobs
-from dspx.device.front.handlers import Cores, Handlers, Notify, Respond, Submit, _NoRoom
-from dspx.device.front.state import MAX_INPUTS, MAX_OPLIB_SOURCE, Conn, ModelRec, ModuleRec, Reject
-from test_front_handlers import SIG, Front, _desc, infer_req, responses, status, submitted
+from dspx.device.front.handlers import Cores, Forget, Handlers, Notify, Respond, Submit, _NoRoom
+from dspx.device.front.state import MAX_BUFS_PER_CONN, MAX_INPUTS, MAX_OPLIB_SOURCE, Conn, ModelRec, ModuleRec, Reject
+from front_harness import SIG, Front, dmabuf_fd, infer_req, responses, status, submitted, tensor_desc
 
 MiB = 1 << 20
-
-
-def _dmabuf(front, size=4096):
-    b = memory.DmaBuf(size)
-    front.bufs.append(b)
-    return os.dup(b.fd)
 
 
 def _other_conn(front) -> Conn:
@@ -42,34 +38,13 @@ def _reject_of(fn, *a):
 
 # ---------------------------------------------------------------- BUF_ATTACH
 
-def test_attach_of_an_unsealed_memfd_is_invalid_and_closes_nothing_of_ours(front):
-    fd = os.memfd_create("unsealed", os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, 4096)
-    fds = [fd]
-    assert status(front.h.handle(front.conn, P.BufAttach(size=4096), fds)) == S.ERR_INVALID
-    assert fds == [fd] and not front.conn.bufs  # still the caller's to close
-    os.close(fd)
-
-
-def test_attach_of_a_memfd_sealed_only_against_shrink_is_invalid(front):
-    fd = os.memfd_create("half", os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, 4096)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-    assert status(front(P.BufAttach(size=4096), [fd])) == S.ERR_INVALID
-
-
-@pytest.mark.parametrize("size,want", [(4096, S.SUCCESS), (4097, S.ERR_INVALID), (0, S.ERR_INVALID)])
-def test_attach_size_must_be_within_the_memfd(front, size, want):
-    assert status(front(P.BufAttach(size=size), [_dmabuf(front, 4096)])) == want
-
-
 def test_attach_with_two_fds_is_invalid(front):
-    assert status(front(P.BufAttach(size=4096), [_dmabuf(front), _dmabuf(front)])) == S.ERR_INVALID
+    assert status(front(P.BufAttach(size=4096), [dmabuf_fd(front), dmabuf_fd(front)])) == S.ERR_INVALID
 
 
 def test_attach_past_the_carveout_window_is_nomem_and_the_mapping_is_dropped(front):
     front.attach(60 * MiB)
-    assert status(front(P.BufAttach(size=8 * MiB), [_dmabuf(front, 8 * MiB)])) == S.ERR_NOMEM
+    assert status(front(P.BufAttach(size=8 * MiB), [dmabuf_fd(front, 8 * MiB)])) == S.ERR_NOMEM
     assert front.st.window.used == 60 * MiB and len(front.conn.bufs) == 1
     (e,) = responses(front(P.GetError()))
     assert e.error_status == S.ERR_NOMEM
@@ -78,7 +53,7 @@ def test_attach_past_the_carveout_window_is_nomem_and_the_mapping_is_dropped(fro
 @pytest.mark.parametrize("kv,want", [(64, S.SUCCESS), (4096, S.SUCCESS), (0, S.SUCCESS), (32, S.ERR_INVALID),
                                      (4096 + 64, S.ERR_INVALID)])
 def test_kv_size_is_a_multiple_of_64_at_most_the_staging_size(front, kv, want):
-    assert status(front(P.BufAttach(size=4096, flags=P.ATTACH_STAGING, kv_size=kv), [_dmabuf(front)])) == want
+    assert status(front(P.BufAttach(size=4096, flags=P.ATTACH_STAGING, kv_size=kv), [dmabuf_fd(front)])) == want
 
 
 def test_the_kv_region_is_the_last_kv_size_bytes_of_staging(front):
@@ -89,7 +64,59 @@ def test_the_kv_region_is_the_last_kv_size_bytes_of_staging(front):
 
 def test_attach_flag_bits_past_bit_0_are_invalid(front):
     for bit in (1, 2, 31):
-        assert status(front(P.BufAttach(size=4096, flags=1 << bit), [_dmabuf(front)])) == S.ERR_INVALID
+        assert status(front(P.BufAttach(size=4096, flags=1 << bit), [dmabuf_fd(front)])) == S.ERR_INVALID
+
+
+def test_attach_needs_exactly_one_fd(front):
+    assert status(front(P.BufAttach(size=4096))) == S.ERR_INVALID
+
+
+def test_attach_refuses_unknown_flags(front):
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    assert status(front(P.BufAttach(size=4096, flags=2), [os.dup(b.fd)])) == S.ERR_INVALID
+
+
+def test_kv_size_only_with_a_staging_buffer(front):
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    assert status(front(P.BufAttach(size=4096, kv_size=64), [os.dup(b.fd)])) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("kv", [65, 8192])
+def test_kv_region_must_be_64_aligned_and_fit(front, kv):
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    assert status(front(P.BufAttach(size=4096, flags=P.ATTACH_STAGING, kv_size=kv), [os.dup(b.fd)])) == S.ERR_INVALID
+
+
+def test_first_attach_lands_at_the_window_base_and_one_staging_only(front):
+    assert front.attach(MiB, staging=True, kv=4096) == memory.CARVEOUT_BASE
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    assert status(front(P.BufAttach(size=4096, flags=P.ATTACH_STAGING), [os.dup(b.fd)])) == S.ERR_INVALID
+
+
+def test_attach_past_the_per_connection_limit_is_nomem(front):
+    for _ in range(MAX_BUFS_PER_CONN):
+        front.attach(4096)
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    assert status(front(P.BufAttach(size=4096), [os.dup(b.fd)])) == S.ERR_NOMEM
+
+
+def test_by_default_one_connection_may_attach_the_whole_window_and_no_more(front):
+    b = memory.DmaBuf(64 * MiB + 4096, "test")
+    front.bufs.append(b)
+    from dspx.device.front.state import Reject
+
+    fds = [os.dup(b.fd)]
+    with pytest.raises(Reject) as e:  # handle() answers it with its status and keeps the text for GET_ERROR
+        front.h.h_buf_attach(front.conn, P.BufAttach(size=b.size), fds)
+    os.close(fds[0])
+    assert (e.value.status, str(e.value)) == (
+        S.ERR_NOMEM, f"connection quota: {64 * MiB + 4096} bytes requested, 0 of {64 * MiB} attached by this "
+                     f"connection already (free {64 * MiB}; window total {64 * MiB})")
 
 
 # ---------------------------------------------------------------- BUF_DETACH
@@ -112,6 +139,25 @@ def test_detach_of_the_printf_buffer_unbinds_printf(front):
     front(P.SetPrintfBuf(printf_dsp_addr=addr, printf_size=4096))
     assert front.conn.printf == (addr, 4096)
     assert status(front(P.BufDetach(dsp_addr=addr))) == 0 and front.conn.printf is None
+
+
+def test_detach_of_an_unknown_address_is_err_addr(front):
+    assert status(front(P.BufDetach(dsp_addr=memory.CARVEOUT_BASE))) == S.ERR_ADDR
+
+
+def test_detach_of_a_buffer_a_job_uses_is_busy(front):
+    addr = front.attach(4096)
+    front.conn.bufs[addr].busy = 1
+    assert status(front(P.BufDetach(dsp_addr=addr))) == S.ERR_BUSY
+    assert addr in front.conn.bufs
+
+
+def test_detach_frees_the_window_and_tells_the_cores(front):
+    addr = front.attach(4096)
+    buf_id = front.conn.bufs[addr].buf_id
+    actions = front(P.BufDetach(dsp_addr=addr))
+    assert status(actions) == 0 and front.st.window.used == 0
+    assert any(isinstance(a, Forget) and a.bufs == [buf_id] for a in actions)
 
 
 # ---------------------------------------------------------------- SET_PRINTF_BUF
@@ -140,9 +186,32 @@ def test_printf_target_of_a_job_is_the_bound_ring(front):
     base, h = front.attach(4096), front.module()
     pb = front.attach(4096)
     front(P.SetPrintfBuf(printf_dsp_addr=pb + 1024, printf_size=2048))
-    job = submitted(front(infer_req(base, h, 4096, [_desc(base + 128)])))
+    job = submitted(front(infer_req(base, h, 4096, [tensor_desc(base + 128)])))
     assert job.plan.spec.printf == (front.conn.bufs[pb].buf_id, 1024, 2048)
     assert front.conn.bufs[pb] in job.bufs  # held busy while the job runs
+
+
+def test_printf_reserved_must_be_zero(front):
+    addr = front.attach(4096)
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=addr, printf_size=4096, reserved=1))) == S.ERR_INVALID
+
+
+def test_printf_buffer_needs_header_and_room(front):
+    addr = front.attach(4096)
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=addr, printf_size=31))) == S.ERR_INVALID
+
+
+def test_printf_buffer_outside_the_connection_is_err_addr(front):
+    addr = front.attach(4096)
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=addr + 2048, printf_size=4096))) == S.ERR_ADDR
+
+
+def test_printf_ring_header_is_initialised(front):
+    addr = front.attach(4096)
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=addr + 1024, printf_size=2048))) == 0
+    mm = front.conn.bufs[addr].region.mm
+    # magic "PRNT", write index 0, size, reserved — written out by hand
+    assert bytes(mm[1024:1040]) == b"PRNT" + bytes(4) + struct.pack("<I", 2048) + bytes(4)
 
 
 # ---------------------------------------------------------------- staging (DYN_LOAD / MODEL_LOAD)
@@ -185,6 +254,44 @@ def test_dyn_load_op_library_flag_loads_the_staged_source(front):
     assert isinstance(job.rec, jobs.LoadOps) and job.rec.source == b"x = 1\n"
 
 
+def test_dyn_load_needs_a_staging_buffer(front):
+    assert status(front(P.DynLoad(elf_size=100))) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("size", [0, MiB - 4096 + 1])
+def test_dyn_load_size_must_fit_staging_above_kv(front, size):
+    front.attach(MiB, staging=True, kv=4096)
+    assert status(front(P.DynLoad(elf_size=size))) == S.ERR_SIZE
+
+
+def test_dyn_load_is_a_job_for_core_0_and_its_answer_carries_io_meta(front):
+    front.attach(MiB, staging=True)
+    job = submitted(front(P.DynLoad(seq=5, elf_size=1000)))
+    assert isinstance(job.rec, jobs.LoadModule) and job.core == 0 and job.rec.size == 1000
+    done = jobs.Done(job.rec.job, value=jobs.Loaded(4096, 1024, 0, (1, 1, 256, 128, 1), SIG))
+    (r,) = responses(job.on_done(done))
+    assert (r.seq, r.status, r.io_input_bytes, r.io_output_bytes, r.io_num_inputs, r.io_flags) == (5, 0, 256, 128, 1, 1)
+    assert front.st.ddr.used == 5120 and r.module_handle in front.conn.modules
+
+
+def test_a_dyn_load_job_reads_the_staging_buffer_and_holds_it(front):
+    stg = front.attach(4096, staging=True)
+    sb = front.conn.bufs[stg]
+    job = submitted(front(P.DynLoad(elf_size=100)))
+    assert (job.rec.buf, job.rec.size, job.rec.ddr_free) == (sb.buf_id, 100, 8 * MiB)
+    assert job.bufs == [sb]
+
+
+def test_a_module_that_does_not_fit_the_ddr_pool_is_unloaded_and_refused_with_the_numbers(front):
+    front.attach(MiB, staging=True)
+    job = submitted(front(P.DynLoad(elf_size=1000)))
+    with pytest.raises(_NoRoom) as e:
+        job.on_done(jobs.Done(job.rec.job, value=jobs.Loaded(16 * MiB, 0, 0, None, None)))
+    assert e.value.status == S.ERR_NOMEM and e.value.numbers["oom_requested"] == 16 * MiB
+    assert e.value.numbers["oom_total"] == 8 * MiB and isinstance(e.value.undo, Notify)
+    assert front.st.ddr.used == 0
+
+
 # ---------------------------------------------------------------- reserved fields
 
 @pytest.mark.parametrize("field,value", [("reserved0", 1), ("reserved1", 1 << 31), ("flags", 1)])
@@ -203,6 +310,25 @@ def test_dyn_load_reserved_fields_are_invalid_whatever_the_bit(front, field, val
 def test_ops_load_flags_and_reserved_must_be_zero(front, field):
     base = front.attach(4096)
     assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=16, **{field: 1}))) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("field", ["reserved0", "reserved1"])
+def test_dyn_load_reserved_fields_must_be_zero(front, field):
+    front.attach(MiB, staging=True)
+    assert status(front(P.DynLoad(elf_size=100, **{field: 1}))) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("field", ["flags", "reserved0", "reserved1"])
+def test_model_load_flags_and_reserved_must_be_zero(front, field):
+    front.attach(MiB, staging=True)
+    assert status(front(P.ModelLoad(weights_size=100, **{field: 1}))) == S.ERR_INVALID
+
+
+def test_ops_load_reserved_fields_say_so(front):
+    base = front.attach(4096)
+    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=10, flags=1))) == S.ERR_INVALID
+    (e,) = responses(front(P.GetError()))
+    assert e.payload == b"flags and reserved must be zero"
 
 
 # ---------------------------------------------------------------- load results from the core
@@ -382,14 +508,14 @@ def test_infer_with_another_connections_module_is_err_handle(front):
     base, h = front.attach(4096), front.module()
     other = _other_conn(front)
     front.st.modules[h].cid = other.cid
-    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)]))) == S.ERR_HANDLE
+    assert status(front(infer_req(base, h, 4096, [tensor_desc(base + 128)]))) == S.ERR_HANDLE
 
 
 def test_infer_with_an_op_library_handle_is_err_handle(front):
     base = front.attach(4096)
     h = front.st.new_id()
     front.st.modules[h] = ModuleRec(h, front.conn.cid, 0, 0, "oplib")
-    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)]))) == S.ERR_HANDLE
+    assert status(front(infer_req(base, h, 4096, [tensor_desc(base + 128)]))) == S.ERR_HANDLE
 
 
 @pytest.mark.parametrize("owner", ["unknown", "other"])
@@ -398,7 +524,7 @@ def test_infer_with_a_model_id_not_of_this_connection_is_err_handle(front, owner
     mid = 4242
     if owner == "other":
         front.st.models[mid] = ModelRec(mid, _other_conn(front).cid, 0, 1, 100, 1)
-    req = infer_req(base, h, 4096, [_desc(base + 128)])
+    req = infer_req(base, h, 4096, [tensor_desc(base + 128)])
     req.model_id = mid
     assert status(front(req)) == S.ERR_HANDLE
 
@@ -407,9 +533,13 @@ def test_infer_with_its_own_model_id_is_a_job(front):
     base, h = front.attach(4096), front.module(jobs.ModuleSig(True, SIG.inputs))
     mid = front.st.new_id()
     front.st.models[mid] = ModelRec(mid, front.conn.cid, 0, 1, 100, 1)
-    req = infer_req(base, h, 4096, [_desc(base + 128)])
+    req = infer_req(base, h, 4096, [tensor_desc(base + 128)])
     req.model_id = mid
     assert submitted(front(req)).plan.spec.model_id == mid
+
+
+def test_unload_of_an_unknown_model_is_err_handle(front):
+    assert status(front(P.ModelUnload(model_id=42))) == S.ERR_HANDLE
 
 
 # ---------------------------------------------------------------- INFER / INFER_LARGE framing
@@ -417,7 +547,7 @@ def test_infer_with_its_own_model_id_is_a_job(front):
 @pytest.mark.parametrize("inline", [0, 2])
 def test_inline_descriptor_count_must_equal_num_inputs(front, inline):
     base, h = front.attach(4096), front.module()
-    req = infer_req(base, h, 4096, [_desc(base + 128)] * inline)
+    req = infer_req(base, h, 4096, [tensor_desc(base + 128)] * inline)
     req.num_inputs = 1
     assert status(front(req)) == S.ERR_INVALID
 
@@ -428,7 +558,7 @@ LOWEST_RESERVED = (P.INFER_FLAGS_RESERVED & -P.INFER_FLAGS_RESERVED).bit_length(
 @pytest.mark.parametrize("bit", [LOWEST_RESERVED, 24, 31])
 def test_infer_large_reserved_flag_bits_are_invalid(front, bit):
     base, h = front.attach(4096), front.module()
-    front.conn.bufs[base].region.mm[:80] = _desc(base + 128).encode()
+    front.conn.bufs[base].region.mm[:80] = tensor_desc(base + 128).encode()
     req = P.InferLarge(module_handle=h, num_inputs=1, flags=1 << bit, descs_addr=base, descs_size=80,
                        input_dsp_addr=base, input_size=4096, result_dsp_addr=base, result_size=4096)
     assert status(front(req)) == S.ERR_INVALID
@@ -436,7 +566,7 @@ def test_infer_large_reserved_flag_bits_are_invalid(front, bit):
 
 def test_infer_large_without_reserved_flags_is_a_job(front):
     base, h = front.attach(4096), front.module()
-    front.conn.bufs[base].region.mm[:80] = _desc(base + 128).encode()
+    front.conn.bufs[base].region.mm[:80] = tensor_desc(base + 128).encode()
     req = P.InferLarge(module_handle=h, num_inputs=1, flags=P.FLAG_KV_RESIDENT - 1, descs_addr=base, descs_size=80,
                        input_dsp_addr=base, input_size=4096, result_dsp_addr=base, result_size=4096)
     assert submitted(front(req)).plan.spec.repeat == 0xFFFF
@@ -444,7 +574,7 @@ def test_infer_large_without_reserved_flags_is_a_job(front):
 
 def _large(front, n: int, buf_size: int):
     base, h = front.attach(buf_size), front.module(signature=None)
-    descs = [_desc(base + buf_size - 64, (16,), "float32")] * n
+    descs = [tensor_desc(base + buf_size - 64, (16,), "float32")] * n
     front.conn.bufs[base].region.mm[:80 * n] = P.encode_descs(descs)
     return P.InferLarge(module_handle=h, num_inputs=n, descs_addr=base, descs_size=80 * n, input_dsp_addr=base,
                         input_size=buf_size, result_dsp_addr=base, result_size=buf_size)
@@ -468,31 +598,56 @@ def test_infer_large_descriptor_table_outside_the_connection_is_err_addr(front):
     assert Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, req.encode()) is None  # not plannable
 
 
+@pytest.mark.parametrize("change", [dict(reserved=1), dict(num_inputs=4097, descs_size=4097 * 80),
+                                    dict(descs_size=79)])
+def test_infer_large_framing_rules(front, change):
+    base, h = front.attach(4096), front.module()
+    req = P.InferLarge(module_handle=h, num_inputs=1, descs_addr=base, descs_size=80, input_dsp_addr=base,
+                       input_size=4096, result_dsp_addr=base, result_size=4096)
+    for k, v in change.items():
+        setattr(req, k, v)
+    assert status(front(req)) == S.ERR_INVALID
+
+
+def test_infer_large_keys_include_the_descriptor_table(front):
+    base, h = front.attach(4096), front.module()
+    mm = front.conn.bufs[base].region.mm
+    mm[:80] = tensor_desc(base + 128).encode()
+    req = P.InferLarge(module_handle=h, num_inputs=1, descs_addr=base, descs_size=80, input_dsp_addr=base,
+                       input_size=4096, result_dsp_addr=base, result_size=4096)
+    k1 = Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, req.encode())
+    mm[:80] = tensor_desc(base + 192).encode()
+    k2 = Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, req.encode())
+    assert k1 != k2
+    job = submitted(front.h.handle(front.conn, req, [], k2))
+    assert job.plan.spec.inputs[0][1] == 192  # the table as read for the key, not re-read later
+
+
 # ---------------------------------------------------------------- INFER addresses and descriptors
 
 def test_infer_result_range_not_owned_is_err_addr(front):
     base, h = front.attach(4096), front.module()
-    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)], out=(base + 2048, 4096)))) == S.ERR_ADDR
+    assert status(front(infer_req(base, h, 4096, [tensor_desc(base + 128)], out=(base + 2048, 4096)))) == S.ERR_ADDR
 
 
 def test_infer_input_range_that_wraps_64_bits_is_err_addr(front):
     base, h = front.attach(4096), front.module()
-    req = infer_req(base, h, 4096, [_desc(base + 128)])
+    req = infer_req(base, h, 4096, [tensor_desc(base + 128)])
     req.input_size = (1 << 64) - 1
     assert status(front(req)) == S.ERR_ADDR
 
 
 def test_infer_input_may_end_on_the_input_ranges_last_byte(front):
     base, h = front.attach(4096), front.module()
-    assert submitted(front(infer_req(base, h, 1024, [_desc(base + 1024 - 64)])))
-    assert status(front(infer_req(base, h, 1024, [_desc(base + 1024 - 63)]))) == S.ERR_ADDR
+    assert submitted(front(infer_req(base, h, 1024, [tensor_desc(base + 1024 - 64)])))
+    assert status(front(infer_req(base, h, 1024, [tensor_desc(base + 1024 - 63)]))) == S.ERR_ADDR
 
 
 def test_infer_input_in_the_kv_region_is_accepted(front):
     st = front.attach(MiB, staging=True, kv=4096)
     base, h = front.attach(4096), front.module()
     kv_addr = st + MiB - 4096
-    job = submitted(front(infer_req(base, h, 4096, [_desc(kv_addr + 64)])))
+    job = submitted(front(infer_req(base, h, 4096, [tensor_desc(kv_addr + 64)])))
     assert job.plan.spec.inputs[0][:2] == (front.conn.bufs[st].buf_id, MiB - 4096 + 64)
     assert job.plan.spec.kv == (front.conn.bufs[st].buf_id, MiB - 4096, 4096, kv_addr)
 
@@ -500,7 +655,7 @@ def test_infer_input_in_the_kv_region_is_accepted(front):
 def test_infer_input_in_staging_below_the_kv_region_is_err_addr(front):
     st = front.attach(MiB, staging=True, kv=4096)
     base, h = front.attach(4096), front.module()
-    assert status(front(infer_req(base, h, 4096, [_desc(st + MiB - 4096 - 32)]))) == S.ERR_ADDR
+    assert status(front(infer_req(base, h, 4096, [tensor_desc(st + MiB - 4096 - 32)]))) == S.ERR_ADDR
 
 
 def test_infer_input_in_another_connections_kv_region_is_err_addr(front):
@@ -511,13 +666,13 @@ def test_infer_input_in_another_connections_kv_region_is_err_addr(front):
                                     [os.dup(b.fd)]))
     kv = r.dsp_addr + MiB - 4096
     base, h = front.attach(4096), front.module()
-    assert status(front(infer_req(base, h, 4096, [_desc(kv)]))) == S.ERR_ADDR
+    assert status(front(infer_req(base, h, 4096, [tensor_desc(kv)]))) == S.ERR_ADDR
 
 
 def test_kv_resident_with_a_kv_region_is_a_job_that_says_so(front):
     front.attach(MiB, staging=True, kv=4096)
     base, h = front.attach(4096), front.module()
-    spec = submitted(front(infer_req(base, h, 4096, [_desc(base + 128)], flags=P.FLAG_KV_RESIDENT))).plan.spec
+    spec = submitted(front(infer_req(base, h, 4096, [tensor_desc(base + 128)], flags=P.FLAG_KV_RESIDENT))).plan.spec
     assert spec.kv_resident and spec.kv is not None
 
 
@@ -541,13 +696,56 @@ def test_a_malformed_descriptor_is_err_tensor_naming_what(front, why, desc):
 
 def test_input_count_against_the_signature_is_err_tensor(front):
     base, h = front.attach(4096), front.module()
-    assert status(front(infer_req(base, h, 4096, [_desc(base + 128), _desc(base + 256)]))) == S.ERR_TENSOR
+    assert status(front(infer_req(base, h, 4096, [tensor_desc(base + 128), tensor_desc(base + 256)]))) == S.ERR_TENSOR
 
 
 def test_a_module_without_a_signature_takes_any_well_formed_inputs(front):
     base, h = front.attach(4096), front.module(signature=None)
-    job = submitted(front(infer_req(base, h, 4096, [_desc(base + 128, (3,), "int8"), _desc(base + 192)])))
+    job = submitted(front(infer_req(base, h, 4096, [tensor_desc(base + 128, (3,), "int8"), tensor_desc(base + 192)])))
     assert [i[2:] for i in job.plan.spec.inputs] == [((3,), "int8"), ((2, 8), "float32")]
+
+
+def test_infer_of_an_unknown_module_is_err_handle(front):
+    base = front.attach(4096)
+    assert status(front(infer_req(base, 99, 4096, [tensor_desc(base + 128)]))) == S.ERR_HANDLE
+
+
+def test_infer_reserved_flag_bits_are_refused(front):
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 4096, [tensor_desc(base + 128)], flags=1 << 31))) == S.ERR_INVALID
+
+
+def test_infer_descriptor_count_must_match_num_inputs(front):
+    base, h = front.attach(4096), front.module()
+    req = infer_req(base, h, 4096, [tensor_desc(base + 128)])
+    req.num_inputs = 2
+    assert status(front(req)) == S.ERR_INVALID
+
+
+def test_infer_input_outside_the_input_range_is_err_addr(front):
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 1024, [tensor_desc(base + 1024)]))) == S.ERR_ADDR
+
+
+def test_infer_input_range_not_owned_is_err_addr(front):
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base + 8192, h, 1024, [tensor_desc(base + 8192)]))) == S.ERR_ADDR
+
+
+def test_infer_kv_resident_needs_a_kv_region(front):
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 4096, [tensor_desc(base + 128)], flags=P.FLAG_KV_RESIDENT))) == S.ERR_INVALID
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 4), "float32"), ((2, 8), "int32")])
+def test_infer_against_the_signature_is_err_tensor(front, shape, dtype):
+    base, h = front.attach(4096), front.module()
+    assert status(front(infer_req(base, h, 4096, [tensor_desc(base + 128, shape, dtype)]))) == S.ERR_TENSOR
+
+
+def test_infer_of_a_separate_weights_module_without_a_model_is_err_weights(front):
+    base, h = front.attach(4096), front.module(jobs.ModuleSig(True, SIG.inputs))
+    assert status(front(infer_req(base, h, 4096, [tensor_desc(base + 128)]))) == S.ERR_WEIGHTS
 
 
 # ---------------------------------------------------------------- RPC
@@ -593,6 +791,42 @@ def test_rpc_without_a_timeout_has_no_deadline_unless_the_device_sets_one(front)
     finally:
         for b in f2.bufs:
             b.close()
+
+
+def test_rpc_for_an_unregistered_command_is_err_op(front):
+    base = front.attach(4096)
+    assert status(front(P.Rpc(cmd=0x7777, input_dsp_addr=base, input_size=16, output_dsp_addr=base,
+                              output_size=16))) == S.ERR_OP
+
+
+@pytest.mark.parametrize("core,priority", [(2, 0), (-2, 0), (0, 256)])
+def test_rpc_core_and_priority_ranges(front, core, priority):
+    front.st.op_table[0x1402] = ("softmax", 0, 0)
+    base = front.attach(4096)
+    assert status(front(P.Rpc(cmd=0x1402, core=core, priority=priority, input_dsp_addr=base, input_size=16,
+                              output_dsp_addr=base, output_size=16))) == S.ERR_INVALID
+
+
+def test_rpc_job_carries_priority_core_and_the_whole_address_space(front):
+    front.st.op_table[0x1402] = ("softmax", 0, 0)
+    a, b = front.attach(4096), front.attach(8192)
+    job = submitted(front(P.Rpc(cmd=0x1402, core=1, priority=7, timeout_ms=500, input_dsp_addr=a,
+                                input_size=24, output_dsp_addr=b + 16, output_size=64)))
+    spec = job.plan.spec
+    assert (job.core, job.priority) == (1, 7) and job.deadline is not None
+    assert spec.output == (front.conn.bufs[b].buf_id, 16, 64)
+    assert sorted(r[1] for r in spec.regions) == [a, b]
+
+
+@pytest.mark.parametrize("size,want", [(0, S.ERR_SIZE), ((128 << 10) + 1, S.ERR_SIZE)])
+def test_op_library_size_limits(front, size, want):
+    base = front.attach(256 << 10)
+    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=size))) == want
+
+
+def test_op_library_flags_must_be_zero(front):
+    base = front.attach(4096)
+    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=16, flags=1))) == S.ERR_INVALID
 
 
 # ---------------------------------------------------------------- GET_ERROR / POOL_STATUS
@@ -647,6 +881,17 @@ def test_submit_and_respond_are_distinct_actions(front):
     assert [type(a) for a in front(P.Ping())] == [Respond]
 
 
+def test_ping_answers_version_with_the_same_seq(front):
+    (r,) = responses(front(P.Ping(seq=77)))
+    assert (r.seq, r.status, r.version) == (77, 0, 0x030000)
+
+
+def test_a_refusal_is_remembered_for_get_error(front):
+    front(P.BufDetach(seq=9, dsp_addr=0x1234))
+    (e,) = responses(front(P.GetError(seq=10)))
+    assert (e.error_seq, e.error_status) == (9, S.ERR_ADDR) and b"0x1234" in e.payload
+
+
 # ---------------------------------------------------------------- answers that carry state
 
 def test_ping_and_status_carry_the_version_and_the_uptime_in_ms(front):
@@ -692,6 +937,11 @@ def test_ops_list_is_sorted_by_command_and_paged(front):
     assert [e[0] for e in r2.entries()] == [0x200B, 0x200C] and r2.total == 12
     (r3,) = responses(front(P.OpsList(start=12)))
     assert (r3.count, r3.payload) == (0, b"")
+
+
+def test_a_new_device_reports_no_jobs_yet(front):
+    (s,) = responses(front(P.GetStatus(seq=9)))
+    assert (s.status, s.jobs_completed, s.jobs_failed) == (0, 0, 0)
 
 
 # ---------------------------------------------------------------- unloads and accounting
@@ -849,12 +1099,12 @@ def test_a_connection_keeps_16_plans_and_forgets_the_oldest(front):
     base, h = front.attach(8192), front.module(signature=None)
     ids = []
     for i in range(MAX_PLANS_PER_CONN):
-        req = infer_req(base, h, 8192, [_desc(base + 128 + 64 * i)])
+        req = infer_req(base, h, 8192, [tensor_desc(base + 128 + 64 * i)])
         key = Handlers.plan_key(front.conn, P.MsgType.INFER, req.encode())
         actions = front.h.handle(front.conn, req, [], key)
         assert not [a for a in actions if not isinstance(a, Submit)]
         ids.append(submitted(actions).plan.plan_id)
-    req = infer_req(base, h, 8192, [_desc(base + 4096)])
+    req = infer_req(base, h, 8192, [tensor_desc(base + 4096)])
     key = Handlers.plan_key(front.conn, P.MsgType.INFER, req.encode())
     actions = front.h.handle(front.conn, req, [], key)
     (forget,) = [a for a in actions if not isinstance(a, Submit)]
@@ -873,7 +1123,7 @@ def test_an_rpc_plan_replays_only_while_its_command_is_registered(front):
 
 def test_an_infer_plan_replays_whatever_the_op_table(front):
     base, h = front.attach(4096), front.module()
-    plan = submitted(front(infer_req(base, h, 4096, [_desc(base + 128)]))).plan
+    plan = submitted(front(infer_req(base, h, 4096, [tensor_desc(base + 128)]))).plan
     job = submitted(front.h.replay(front.conn, plan, 9))
     assert job.req_type == P.MsgType.INFER and job.rec.plan == plan.plan_id
 
@@ -882,6 +1132,97 @@ def test_no_room_keeps_the_status_message_and_numbers():
     n = Notify(0, jobs.UnloadModule(handle=1))
     e = _NoRoom(n, Reject(S.ERR_NOMEM, "full", oom_requested=5, oom_free=1))
     assert (e.status, str(e), e.numbers, e.undo) == (S.ERR_NOMEM, "full", {"oom_requested": 5, "oom_free": 1}, n)
+
+
+def test_infer_is_planned_once_and_replayed_until_the_buffers_change(front):
+    base, h = front.attach(4096), front.module()
+    req = infer_req(base, h, 4096, [tensor_desc(base + 128)])
+    data = req.encode()
+    key = Handlers.plan_key(front.conn, P.MsgType.INFER, data)
+    job = submitted(front.h.handle(front.conn, req, [], key))
+    spec = job.plan.spec
+    assert isinstance(job.rec, jobs.Call) and job.rec.seq == req.seq
+    buf_id = front.conn.bufs[base].buf_id
+    assert spec.inputs == [(buf_id, 128, (2, 8), "float32")] and spec.result == (buf_id, 0, 4096, base)
+    # same bytes, another seq: the same plan
+    again = P.decode(data)
+    again.seq = 1234
+    assert Handlers.plan_key(front.conn, P.MsgType.INFER, again.encode()) == key
+    assert submitted(front.h.replay(front.conn, front.conn.plans[key], 1234)).plan is job.plan
+    # attaching a buffer drops every plan of the connection, and the cores are told
+    b = memory.DmaBuf(4096)
+    front.bufs.append(b)
+    actions = front(P.BufAttach(size=4096), [os.dup(b.fd)])
+    assert not front.conn.plans and any(isinstance(a, Forget) and a.plans == [job.plan.plan_id] for a in actions)
+
+
+def _two_buffers_staging_and_printf(front):
+    """An input buffer, a result buffer, staging with a 4 KiB KV region, a printf ring in the result buffer."""
+    inb, outb = front.attach(4096), front.attach(8192)
+    stg = front.attach(64 * 1024, staging=True, kv=4096)
+    assert status(front(P.SetPrintfBuf(printf_dsp_addr=outb + 4096, printf_size=256))) == S.SUCCESS
+    bufs = front.conn.bufs
+    return inb, outb, stg, bufs[inb], bufs[outb], bufs[stg]
+
+
+def test_an_infer_becomes_a_plan_of_exactly_its_buffers_and_fields(front):
+    inb, outb, stg, ib, ob, sb = _two_buffers_staging_and_printf(front)
+    kv_addr = stg + 60 * 1024
+    sig = jobs.ModuleSig(False, [jobs.TensorSig("a", (2, 8), "float32"), jobs.TensorSig("b", (4,), "int32")])
+    h = front.module(sig)
+    req = P.Infer(seq=77, module_handle=h, num_inputs=2, flags=3 | P.FLAG_PROFILE | P.FLAG_KV_RESIDENT,
+                  input_dsp_addr=inb, input_size=4096, result_dsp_addr=outb, result_size=4096,
+                  descs=[tensor_desc(inb + 128), tensor_desc(kv_addr + 64, (4,), "int32")])
+    job = submitted(front(req))  # no plan key: planned, not kept
+    plan, spec = job.plan, job.plan.spec
+    assert job.conn is front.conn and job.rec.seq == 77 and job.rec.plan == plan.plan_id and not front.conn.plans
+    assert (spec.cid, spec.handle, spec.model_id) == (front.conn.cid, h, 0)
+    assert spec.inputs == [(ib.buf_id, 128, (2, 8), "float32"), (sb.buf_id, 60 * 1024 + 64, (4,), "int32")]
+    assert spec.result == (ob.buf_id, 0, 4096, outb) and spec.kv == (sb.buf_id, 60 * 1024, 4096, kv_addr)
+    assert (spec.kv_resident, spec.repeat, spec.profile, spec.resp_type) == (True, 3, True, P.MsgType.INFER | 0x1000)
+    assert spec.printf == (ob.buf_id, 4096, 256)
+    assert plan.core == 0 and [id(b) for b in plan.used] == [id(ib), id(ob), id(sb)]  # each once, busy while it runs
+
+
+def test_an_infer_without_profile_or_repeat_bits_plans_neither(front):
+    base, h = front.attach(4096), front.module()
+    spec = submitted(front(infer_req(base, h, 4096, [tensor_desc(base + 128)], flags=0))).plan.spec
+    assert (spec.repeat, spec.profile, spec.kv, spec.printf) == (0, False, None, None)
+
+
+def test_an_rpc_becomes_a_plan_over_all_the_connections_buffers_and_is_kept_under_its_key(front):
+    inb, outb, stg, ib, ob, sb = _two_buffers_staging_and_printf(front)
+    front.st.op_table[0x1402] = ("softmax", 0, 0)
+    req = P.Rpc(seq=5, cmd=0x1402, core=1, priority=9, timeout_ms=250, input_dsp_addr=inb + 64, input_size=32,
+                output_dsp_addr=outb + 128, output_size=16)
+    key = Handlers.plan_key(front.conn, P.MsgType.RPC, req.encode())
+    job = submitted(front.h.handle(front.conn, req, [], key))
+    plan, spec = job.plan, job.plan.spec
+    assert job.conn is front.conn and job.rec.seq == 5 and front.conn.plans == {key: plan}
+    assert (job.core, job.priority, plan.core, plan.priority, plan.timeout_ms) == (1, 9, 1, 9, 250)
+    assert (spec.cid, spec.cmd) == (front.conn.cid, 0x1402)
+    assert spec.input == (ib.buf_id, 64, 32) and spec.output == (ob.buf_id, 128, 16)
+    assert spec.regions == [(ib.buf_id, inb, 4096), (ob.buf_id, outb, 8192), (sb.buf_id, stg, 64 * 1024)]
+    assert spec.printf == (ob.buf_id, 4096, 256) and [id(b) for b in plan.used] == [id(ib), id(ob), id(sb)]
+    assert submitted(front.h.replay(front.conn, plan, 6)).plan is plan
+
+
+def test_each_buffer_has_its_own_id_which_detach_forgets(front):
+    a, b = front.attach(4096), front.attach(4096)
+    ids = [front.conn.bufs[a].buf_id, front.conn.bufs[b].buf_id]
+    assert all(type(i) is int for i in ids) and ids[0] != ids[1] and front.conn.bufs[a].region.buf_id == ids[0]
+    forget = [x for x in front(P.BufDetach(dsp_addr=b)) if isinstance(x, Forget)]
+    assert [f.bufs for f in forget] == [[ids[1]]]
+
+
+def test_plans_have_ids_and_an_rpc_without_a_key_is_not_kept(front):
+    base = front.attach(4096)
+    front.st.op_table[0x1402] = ("softmax", 0, 0)
+    rpc = submitted(front(P.Rpc(cmd=0x1402, input_dsp_addr=base, input_size=16, output_dsp_addr=base + 64,
+                                output_size=16)))
+    inf = submitted(front(infer_req(base, front.module(), 4096, [tensor_desc(base + 128)])))
+    assert type(rpc.plan.plan_id) is int and type(inf.plan.plan_id) is int and rpc.plan.plan_id != inf.plan.plan_id
+    assert not front.conn.plans
 
 
 # ---------------------------------------------------------------- refusal texts and plan keys
@@ -913,19 +1254,19 @@ REFUSALS = [  # (request builder, status, words the GET_ERROR text must hold)
     (lambda f, b: P.InferLarge(module_handle=f.module(), num_inputs=2, descs_size=80), S.ERR_INVALID,
      "descs_size 80 != num_inputs 2 x 80"),
     (lambda f, b: P.Infer(module_handle=f.module(), num_inputs=2, input_dsp_addr=b, input_size=4096,
-                          result_dsp_addr=b, result_size=4096, descs=[_desc(b + 128)]), S.ERR_INVALID,
+                          result_dsp_addr=b, result_size=4096, descs=[tensor_desc(b + 128)]), S.ERR_INVALID,
      "num_inputs 2 but 1 descriptors inline"),
-    (lambda f, b: infer_req(b, f.module(), 4096, [_desc(b + 128)], flags=1 << 31), S.ERR_INVALID,
+    (lambda f, b: infer_req(b, f.module(), 4096, [tensor_desc(b + 128)], flags=1 << 31), S.ERR_INVALID,
      "INFER flags 0x80000000 set reserved bits 18-31"),
     (lambda f, b: P.Infer(module_handle=f.module(), model_id=99, num_inputs=1, input_dsp_addr=b, input_size=4096,
-                          result_dsp_addr=b, result_size=4096, descs=[_desc(b + 128)]), S.ERR_HANDLE,
+                          result_dsp_addr=b, result_size=4096, descs=[tensor_desc(b + 128)]), S.ERR_HANDLE,
      "unknown model id 99"),
-    (lambda f, b: infer_req(b, f.module(jobs.ModuleSig(True, SIG.inputs)), 4096, [_desc(b + 128)]), S.ERR_WEIGHTS,
+    (lambda f, b: infer_req(b, f.module(jobs.ModuleSig(True, SIG.inputs)), 4096, [tensor_desc(b + 128)]), S.ERR_WEIGHTS,
      "module was compiled with separate weights: load them with MODEL_LOAD and pass the model id"),
-    (lambda f, b: infer_req(b + 8192, f.module(), 64, [_desc(b + 8192)]), S.ERR_ADDR, "input range 0x"),
-    (lambda f, b: infer_req(b, f.module(), 4096, [_desc(b + 128)], out=(b + 8192, 64)), S.ERR_ADDR,
+    (lambda f, b: infer_req(b + 8192, f.module(), 64, [tensor_desc(b + 8192)]), S.ERR_ADDR, "input range 0x"),
+    (lambda f, b: infer_req(b, f.module(), 4096, [tensor_desc(b + 128)], out=(b + 8192, 64)), S.ERR_ADDR,
      "result range 0x"),
-    (lambda f, b: infer_req(b, f.module(), 4096, [_desc(b + 128)], flags=P.FLAG_KV_RESIDENT), S.ERR_INVALID,
+    (lambda f, b: infer_req(b, f.module(), 4096, [tensor_desc(b + 128)], flags=P.FLAG_KV_RESIDENT), S.ERR_INVALID,
      "KV_RESIDENT needs a staging buffer with a KV region"),
 ]
 EXACT = {"reserved must be zero", "flags and reserved fields must be zero",
@@ -951,7 +1292,7 @@ def test_an_op_library_too_big_from_staging_names_its_size(front):
 
 def test_plan_keys_differ_with_any_field_but_the_seq(front):
     base, h = front.attach(4096), front.module()
-    front.conn.bufs[base].region.mm[:80] = _desc(base + 128).encode()
+    front.conn.bufs[base].region.mm[:80] = tensor_desc(base + 128).encode()
     large = P.InferLarge(module_handle=h, num_inputs=1, descs_addr=base, descs_size=80, input_dsp_addr=base,
                          input_size=4096, result_dsp_addr=base, result_size=4096)
     other = P.InferLarge(**{**{k: getattr(large, k) for k in large.FIELDS}, "module_handle": h + 1})
@@ -1030,6 +1371,73 @@ def test_busy_detach_says_how_many_jobs_use_the_buffer(front):
     front(P.BufDetach(dsp_addr=addr))
     (e,) = responses(front(P.GetError()))
     assert e.payload.decode() == f"buffer 0x{addr:x} is in use by 2 job(s)"
+
+
+@pytest.mark.parametrize("fields,want,text", [
+    (dict(core=2), S.ERR_INVALID, "core 2 does not exist (device has 2)"),
+    (dict(priority=256), S.ERR_INVALID, "priority 256 outside 0..255"),
+    (dict(input_dsp_addr=4090, input_size=16), S.ERR_ADDR,
+     "task input 0x{:x}+16 is not inside a buffer of this connection"),
+    (dict(output_dsp_addr=4095, output_size=2), S.ERR_ADDR,
+     "task output 0x{:x}+2 is not inside a buffer of this connection"),
+], ids=["core", "priority", "input", "output"])
+def test_rpc_refusals_say_what(front, fields, want, text):
+    front.st.op_table[0x1402] = ("softmax", 0, 0)
+    base = front.attach(4096)
+    req = dict(cmd=0x1402, input_dsp_addr=base, input_size=16, output_dsp_addr=base + 64, output_size=16)
+    req.update({k: base + v if k.endswith("dsp_addr") else v for k, v in fields.items()})
+    assert status(front(P.Rpc(**req))) == want
+    (e,) = responses(front(P.GetError()))
+    addr = req.get("input_dsp_addr") if "input_dsp_addr" in fields else req["output_dsp_addr"]
+    assert (e.error_status, e.payload.decode()) == (want, text.format(addr))
+
+
+def _infer_error_text(front, sig, descs_of) -> tuple[int, str]:
+    base, h = front.attach(4096), front.module(sig)
+    st = status(front(infer_req(base, h, 4096, descs_of(base))))
+    (e,) = responses(front(P.GetError()))
+    assert e.error_status == st
+    return st, e.payload.decode()
+
+
+@pytest.mark.parametrize("sig,descs_of,want,text", [
+    (SIG, lambda b: [tensor_desc(b + 128), tensor_desc(b + 256)], S.ERR_TENSOR, "module takes 1 inputs, 2 given"),
+    (SIG, lambda b: [tensor_desc(b + 128, (2, 8), "int32")], S.ERR_TENSOR,
+     "input 0 (x): module expects float32[2, 8], got int32[2, 8]"),
+    (jobs.ModuleSig(False, [jobs.TensorSig("", (2, 8), "float32")]), lambda b: [tensor_desc(b + 128, (8, 2))], S.ERR_TENSOR,
+     "input 0 (0): module expects float32[2, 8], got float32[8, 2]"),  # an input with no name: its index
+    (SIG, lambda b: [tensor_desc(b + 4096)], S.ERR_ADDR, "input 0 data 0x{:x}+64 is outside the input range and the KV region"),
+], ids=["count", "dtype", "unnamed", "outside"])
+def test_infer_input_refusals_say_which_input_and_why(front, sig, descs_of, want, text):
+    st, got = _infer_error_text(front, sig, descs_of)
+    base = min(front.conn.bufs)
+    assert (st, got) == (want, text.format(base + 4096))
+
+
+def _attach_refusal(front, size, fd, **limits) -> tuple[int, str]:
+    import dataclasses
+
+    front.st.limits = dataclasses.replace(front.st.limits, **limits)
+    st = status(front(P.BufAttach(size=size), [fd]))
+    (e,) = responses(front(P.GetError()))
+    assert e.error_status == st
+    return st, e.payload.decode()
+
+
+def test_attach_refusals_say_what(front):
+    front.attach(4096)
+    b = memory.DmaBuf(64 * MiB, "test")
+    front.bufs.append(b)
+    assert _attach_refusal(front, 4096, os.dup(b.fd), bufs_per_conn=1) == (
+        S.ERR_NOMEM, "connection has 1 buffers attached (limit 1 per connection)")
+    assert _attach_refusal(front, 64 * MiB, os.dup(b.fd), bufs_per_conn=128) == (  # 4096 attached already
+        S.ERR_NOMEM, f"connection quota: {64 * MiB} bytes requested, 4096 of {64 * MiB} attached by this "
+                     f"connection already (free {64 * MiB - 4096}; window total {64 * MiB})")
+    assert _attach_refusal(front, 64 * MiB, os.dup(b.fd), conn_bytes=0) == (  # no quota: the window is full
+        S.ERR_NOMEM, f"carveout window has no room for {64 * MiB} bytes (free {64 * MiB - 4096}, largest hole "
+                     f"{64 * MiB - 4096}, total {64 * MiB})")
+    assert _attach_refusal(front, 4096, os.open("/dev/null", os.O_RDWR)) == (
+        S.ERR_INVALID, "cannot attach: attached fd is not a memory file")
 
 
 # ---------------------------------------------------------------- DYN_LOAD in full
@@ -1124,7 +1532,6 @@ def test_loaded_weights_are_recorded_on_core_0_at_its_incarnation(front):
     assert (rec.cid, rec.core, rec.generation, rec.ddr_bytes, rec.num_constants) == (front.conn.cid, 0, 1, 64, 2)
 
 
-
 # ---------------------------------------------------------------- calls: deadlines, plans, errors
 
 def test_a_call_with_a_time_limit_gets_its_deadline_in_seconds(front):
@@ -1145,11 +1552,11 @@ def test_a_failed_call_is_kept_for_get_error_and_a_success_is_not(front):
 def test_infer_large_uses_the_table_read_for_its_key_not_what_is_in_memory_now(front):
     base, h = front.attach(4096), front.module()
     mm = front.conn.bufs[base].region.mm
-    mm[:80] = _desc(base + 128).encode()
+    mm[:80] = tensor_desc(base + 128).encode()
     req = P.InferLarge(module_handle=h, num_inputs=1, descs_addr=base, descs_size=80, input_dsp_addr=base,
                        input_size=4096, result_dsp_addr=base, result_size=4096)
     key = Handlers.plan_key(front.conn, P.MsgType.INFER_LARGE, req.encode())
-    mm[:80] = _desc(base + 256).encode()  # the host rewrites the table after sending
+    mm[:80] = tensor_desc(base + 256).encode()  # the host rewrites the table after sending
     job = submitted(front.h.handle(front.conn, req, [], key))
     assert job.plan.spec.inputs[0][1] == 128 and front.conn.plans[key] is job.plan
 
@@ -1158,7 +1565,7 @@ def test_a_staging_buffer_without_kv_has_no_kv_region(front):
     front.attach(MiB, staging=True, kv=0)
     assert front.conn.kv_region() is None
     base, h = front.attach(4096), front.module()
-    assert status(front(infer_req(base, h, 4096, [_desc(base + 128)], flags=P.FLAG_KV_RESIDENT))) == S.ERR_INVALID
+    assert status(front(infer_req(base, h, 4096, [tensor_desc(base + 128)], flags=P.FLAG_KV_RESIDENT))) == S.ERR_INVALID
 
 
 def test_model_load_is_a_job_for_core_0_reading_the_staged_bytes(front):
@@ -1172,19 +1579,16 @@ def test_model_load_is_a_job_for_core_0_reading_the_staged_bytes(front):
     assert front.st.models[r.model_id].generation == 1
 
 
-@pytest.mark.parametrize("desc,ok", [
-    (P.TensorDesc(0, 4, 0, 2, 32, ()), True),               # a scalar: ndim 0
-    (P.TensorDesc(0, 4, 6, 2, 32, (1,) * 6), True),         # ndim 6
-    (P.TensorDesc(0, 0, 2, 2, 32, (0, 5)), True),           # an empty tensor
-    (P.TensorDesc(0, 2, 1, 1, 8, (2,)), True),              # uint8: 1 byte each
-    (P.TensorDesc(0, 3, 1, 2, 16, (2,)), False),            # float16 x2 is 4 bytes, not 3
-])
-def test_descriptor_edges(desc, ok):
-    assert (desc.check() is None) == ok, desc.check()
-
-
-def test_descriptor_size_text_names_bytes_per_element():
-    assert P.TensorDesc(0, 5, 1, 0, 16, (2,)).check() == "data_size 5 != 2 elements x 2 bytes for shape [2]"
+def test_the_devices_job_timeout_gives_an_rpc_without_one_a_deadline():
+    f = Front()
+    f.h = Handlers(f.st, Cores(2, lambda i: 1), job_timeout_s=2.5)
+    base = f.attach(4096)
+    f.st.op_table[0x1402] = ("softmax", 0, 0)
+    job = submitted(f(P.Rpc(cmd=0x1402, input_dsp_addr=base, input_size=16, output_dsp_addr=base + 64,
+                            output_size=16)))
+    assert f.h.job_timeout_s == 2.5 and job.deadline is not None
+    for b in f.bufs:
+        b.close()
 
 
 # ---------------------------------------------------------------- BUF_ATTACH in full
@@ -1197,19 +1601,19 @@ def _attach_text(front, req, fds):
 
 def test_buf_attach_refusal_texts(front):
     assert _attach_text(front, P.BufAttach(size=4096), []) == (S.ERR_INVALID, "BUF_ATTACH needs exactly one fd, got 0")
-    assert _attach_text(front, P.BufAttach(size=4096, flags=6), [_dmabuf(front)]) == \
+    assert _attach_text(front, P.BufAttach(size=4096, flags=6), [dmabuf_fd(front)]) == \
         (S.ERR_INVALID, "unknown attach flags 0x6")
-    assert _attach_text(front, P.BufAttach(size=4096, kv_size=64), [_dmabuf(front)]) == \
+    assert _attach_text(front, P.BufAttach(size=4096, kv_size=64), [dmabuf_fd(front)]) == \
         (S.ERR_INVALID, "kv_size must be zero unless attaching a staging buffer")
-    assert _attach_text(front, P.BufAttach(size=4096, flags=1, kv_size=8192), [_dmabuf(front)]) == \
+    assert _attach_text(front, P.BufAttach(size=4096, flags=1, kv_size=8192), [dmabuf_fd(front)]) == \
         (S.ERR_INVALID, "KV region of 8192 bytes does not fit a 4096-byte staging buffer")
     front.attach(4096, staging=True)
-    assert _attach_text(front, P.BufAttach(size=4096, flags=1), [_dmabuf(front)]) == \
+    assert _attach_text(front, P.BufAttach(size=4096, flags=1), [dmabuf_fd(front)]) == \
         (S.ERR_INVALID, "this connection already has a staging buffer")
 
 
 def test_buf_attach_answers_its_seq_address_and_size(front):
-    (r,) = responses(front(P.BufAttach(seq=12, size=5000), [_dmabuf(front, 8192)]))
+    (r,) = responses(front(P.BufAttach(seq=12, size=5000), [dmabuf_fd(front, 8192)]))
     assert (r.seq, r.status, r.dsp_addr, r.size) == (12, 0, memory.CARVEOUT_BASE, 5000)
 
 
@@ -1220,7 +1624,7 @@ def test_the_devices_buffer_limit_counts_every_connection(front):
     b = memory.DmaBuf(4096)
     front.bufs.append(b)
     assert status(front.h.handle(other, P.BufAttach(size=4096), [os.dup(b.fd)])) == 0
-    st, text = _attach_text(front, P.BufAttach(size=4096), [_dmabuf(front)])
+    st, text = _attach_text(front, P.BufAttach(size=4096), [dmabuf_fd(front)])
     assert st == S.ERR_NOMEM and text.startswith("device has 2 buffers attached (limit 2 for all connections")
 
 
@@ -1228,5 +1632,5 @@ def test_a_connection_may_attach_up_to_its_byte_quota(front):
     front.st.limits.conn_bytes = 3 * 4096
     front.attach(8192)
     front.attach(4096)  # exactly the quota
-    st, text = _attach_text(front, P.BufAttach(size=4096), [_dmabuf(front)])
+    st, text = _attach_text(front, P.BufAttach(size=4096), [dmabuf_fd(front)])
     assert st == S.ERR_NOMEM and text.startswith("connection quota: 4096 bytes requested, 12288 of 12288")

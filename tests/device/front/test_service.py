@@ -1,15 +1,20 @@
 """The device service over its real socket: a raw client using only socket
-and struct, every kind of bad input, isolation between connections, and
-clean shutdown."""
+and struct, every kind of bad input, isolation between connections, the
+rules that need a running job (a busy buffer, an unknown command), and clean
+shutdown (SIGTERM, Ctrl-C)."""
 import os
 import signal
 import socket
 import struct
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from dspx.abi import layout
+
+from dspx.errors import Busy
 
 HDR = struct.Struct("<IIIi")
 
@@ -107,22 +112,6 @@ def test_two_clients_see_only_their_own_buffers(shared_device, client_of):
         b.request(P.BufDetach(dsp_addr=ba.dsp_addr))
     with pytest.raises(BadAddress):  # nor the other's staging
         b.request(P.SetPrintfBuf(printf_dsp_addr=a.staging.dsp_addr, printf_size=4096))
-
-
-def test_shared_pages_and_sync_counters(shared_device, client_of):
-    """Both sides map the same pages: the device writes the printf header
-    into the host's buffer when it is bound."""
-    from dspx import memory
-    c = client_of(shared_device.path)
-    hdr = struct.unpack_from("<IIII", c.printf_buf.mm, 0)
-    assert hdr == (layout.PRINTF_MAGIC, 0, c.printf_buf.size, 0)
-    assert memory.CARVEOUT_BASE <= c.staging.dsp_addr < memory.CARVEOUT_BASE + memory.CARVEOUT_SIZE
-    buf = c.alloc(4096)
-    buf.begin_cpu_access(memory.SYNC_WRITE)
-    buf.end_cpu_access(memory.SYNC_WRITE)
-    assert buf.synced == {"read": 0, "write": 4096} and buf.sync_calls == 1
-    with pytest.raises(RuntimeError):
-        buf.end_cpu_access(memory.SYNC_READ)
 
 
 def test_first_allocation_at_window_base(device, client_of):
@@ -231,6 +220,75 @@ def test_sigterm_exits_cleanly_and_removes_socket(device):
     assert not os.path.exists(device.path)
 
 
-def test_socket_permissions(device):
-    assert os.stat(device.path).st_mode & 0o777 == 0o600
-    assert os.stat(os.path.dirname(device.path)).st_mode & 0o077 == 0
+HOLD_OPS = textwrap.dedent("""
+    from dspx.device.core import runtime as rt
+
+    @rt.register_op(0x3101)
+    def hold(inp, out, tm):
+        # runs until the host writes 1 into its input (at most 20 s)
+        t0 = rt.cycles()
+        while inp[0] == 0 and rt.cycles() - t0 < 20_000_000_000:
+            pass
+        out[0] = 1
+        return 0
+""")
+
+
+def test_detach_of_a_buffer_a_running_job_uses_is_busy(default_device):
+    from dspx.host.tasks import Tasks
+
+    with Tasks(socket=default_device.path) as u:
+        handle, _ = u.load_ops(HOLD_OPS)
+        try:
+            inp, out = u.malloc(64), u.malloc(64)
+            task = u.submit(u.rpc(0x3101, inp, out))
+            for mem in (inp, out):
+                with pytest.raises(Busy) as e:
+                    u.free(mem)
+                assert e.value.status_name == "ERR_BUSY" and "in use" in str(e.value)
+            inp.vir[0] = 1  # let the job end
+            u.wait(task, 20_000)
+            assert out.vir[0] == 1
+            u.free(inp)  # free once the job is done
+            u.free(out)
+        finally:
+            u.unload_ops(handle)
+
+
+def test_an_unknown_rpc_command_is_err_op_and_the_device_keeps_serving(default_device, client_of):
+    from dspx.abi import protocol as P
+    from dspx.errors import UnknownOp
+
+    c = client_of(default_device.path)
+    b = c.alloc(4096)
+    with pytest.raises(UnknownOp) as e:
+        c.request(P.Rpc(cmd=0x7ABC, input_dsp_addr=b.dsp_addr, input_size=16, output_dsp_addr=b.dsp_addr,
+                        output_size=16))
+    assert e.value.status_name == "ERR_OP" and "0x7abc" in str(e.value)
+    assert c.ping()["version"] == "3.0.0"
+
+
+def test_serve_says_where_it_listens_and_ctrl_c_stops_it_quietly(tmp_path):
+    """Ctrl-C reaches the whole process group (front and cores): the device
+    stops cleanly, removes its socket, and logs no core death or restart."""
+    path = str(tmp_path / "d" / "dsp0.sock")
+    log = open(tmp_path / "device.log", "w+b")
+    proc = subprocess.Popen([sys.executable, "-m", "dspx.device", "--socket", path, "--cores", "2"],
+                            stdout=log, stderr=log, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "listening on" not in (text := open(tmp_path / "device.log").read()):
+            assert proc.poll() is None and time.monotonic() < deadline, text
+            time.sleep(0.01)
+        assert f"listening on {path} with 2 core(s)" in text
+        with Tasks(socket=path) as u:  # a connection open at the time
+            u.client.ping()
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = open(tmp_path / "device.log").read()
+    assert "died" not in text and "restart" not in text and "Traceback" not in text, text
+    assert not os.path.exists(path)
