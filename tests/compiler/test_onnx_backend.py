@@ -8,7 +8,7 @@ drop below PASS_FLOOR.  Compiled modules (and compile failures) are cached by
 content hash under ~/.cache/dspx/onnx-backend, so only changed cases compile
 again; a cold run compiles in two processes.
 
-    python tests/test_onnx_backend.py       # per-case table + onnxruntime's count on the same cases
+    python tests/compiler/test_onnx_backend.py       # per-case table + onnxruntime's count on the same cases
 """
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ def test_backend_pass_count(backend_results):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, for conftest
     import time
 
     from conftest import Device, SMALL

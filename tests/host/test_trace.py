@@ -17,7 +17,7 @@ import pytest
 
 from dspx.transport import is_listening
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "softmax" / "softmax_ops.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "softmax" / "softmax_ops.py"
 
 HOST_PROGRAM = r'''
 import sys

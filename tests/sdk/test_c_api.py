@@ -30,7 +30,7 @@ from dspx.sdk import host
 
 from conftest import SMALL, Device
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT = 120
 TOL = 1e-4
 

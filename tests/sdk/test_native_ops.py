@@ -24,7 +24,7 @@ from dspx.memory import L2_SIZE, AddressSpace, Region
 
 from conftest import SMALL, Device
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NATIVE = ROOT / "tests" / "native"
 EXAMPLE = ROOT / "examples" / "softmax_c"
 ARGS_ADDR, DATA_ADDR, OUT_ADDR = 0xC000_0000, 0xC010_0000, 0xD000_0000

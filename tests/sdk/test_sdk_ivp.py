@@ -13,7 +13,7 @@ import pytest
 from dspx import sdk
 from dspx.device.core import native
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEED = ROOT / "examples" / "softmax_c" / "softmax_ivp.cc"
 F32, I32, I16, I64, U32 = np.float32, np.int32, np.int16, np.int64, np.uint32
 P = ctypes.c_void_p

@@ -18,7 +18,7 @@ import pytest
 
 from dspx.transport import is_listening
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -431,7 +431,7 @@ def test_the_shims_self_check_under_sanitizers(tmp_path, sanitizer):
     exe = tmp_path / "selfcheck"
     subprocess.run([attacks.CC, "-g", "-O1", f"-fsanitize={sanitizer}", "-fno-sanitize-recover=all", "-pthread",
                     f"-I{SHIM.parents[1] / 'include'}", f"-I{SHIM.parent}", "-o", str(exe),
-                    str(Path(__file__).parent / "native" / "shim_selfcheck.c"), "-ldl"],
+                    str(Path(__file__).parents[1] / "native" / "shim_selfcheck.c"), "-ldl"],
                    check=True, capture_output=True, timeout=300)
     p = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]

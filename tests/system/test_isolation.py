@@ -2,7 +2,7 @@
 buffers, of another connection's staging or KV region, or of device-private
 memory (DDR pool, L2) gets ERR_ADDR for every message that carries an
 address — and the other client's memory is neither read nor written.
-(The socket refuses other uids: tests/test_device.py::test_other_uid_is_refused.)"""
+(The socket refuses other uids: tests/device/front/test_service.py::test_other_uid_is_refused.)"""
 from __future__ import annotations
 
 import textwrap

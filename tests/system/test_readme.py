@@ -14,7 +14,7 @@ from pathlib import Path
 
 from conftest import Device
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 COMING_FROM = README.parent / "docs" / "coming-from.md"  # its examples assume the same files
 
 

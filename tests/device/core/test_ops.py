@@ -17,7 +17,7 @@ from dspx.abi.protocol import Status
 from dspx.device.core import builtin_ops, ops, runtime as rt
 from dspx.device.core.errors import OpBusy, OpLoadError, OpSymbolError, UnknownLibrary, NoSuchOp
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "softmax" / "softmax_ops.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "softmax" / "softmax_ops.py"
 PARAM_ADDR, DATA_ADDR, OUT_ADDR = 0xC000_0000, 0xC010_0000, 0xD000_0000
 
 

@@ -179,7 +179,7 @@ def test_op_library_code_in_a_core_creates_no_file_and_no_socket_and_exec_ends_i
 def test_the_core_refuses_sockets_to_op_library_code(dev):
     """Past the import check (op libraries are trusted code), the core's own
     filter still refuses new sockets: EPERM in the handler.  (Exec ends the
-    core, new files are refused: tests/test_reliability2_sandbox.py.)"""
+    core, new files are refused: the test above.)"""
     src = textwrap.dedent("""
         from numpy.f2py import os  # an escape from the import check
         from dspx.device.core import runtime as rt

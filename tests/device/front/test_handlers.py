@@ -858,7 +858,7 @@ def test_pool_status_counts_modules_not_op_libraries(front):
 
 
 def test_a_handler_bug_is_not_a_refusal_it_propagates_to_the_loop(front):
-    """The loop turns an unexpected exception into ERR_GENERIC (test_device);
+    """The loop turns an unexpected exception into ERR_GENERIC (test_service);
     handle() answers only Reject, so a bug is never mistaken for a status."""
     front.h._table[P.MsgType.PING] = lambda *a: 1 / 0
     with pytest.raises(ZeroDivisionError):
