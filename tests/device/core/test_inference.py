@@ -1,7 +1,8 @@
 """Compiled modules at runtime, end to end through a real device process:
 outputs against onnxruntime, every way a request can be wrong (and the
 device still serving after it), load/unload cycles without leaks, which
-buffers an inference syncs, and the capacity rules of docs/protocol.md, "Capacity"."""
+buffers an inference syncs, the capacity rules of docs/protocol.md,
+"Capacity", and KV_RESIDENT outputs packed from the KV region's base."""
 from __future__ import annotations
 
 import errno

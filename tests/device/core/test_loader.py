@@ -1,7 +1,10 @@
 """DLOAD in-process: ELF checks, export table, kernel imports, weights,
-zero-copy inputs, outputs against onnxruntime, unload without leaks."""
+zero-copy inputs, outputs against onnxruntime, unload without leaks, a module
+entry that raises (ERR_CALL); and through a device, a module that crashes
+the loader, which costs only the forked probe child."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess

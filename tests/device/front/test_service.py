@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dspx.errors import Busy
+from dspx.host.tasks import Tasks
 
 HDR = struct.Struct("<IIIi")
 
@@ -235,8 +236,6 @@ HOLD_OPS = textwrap.dedent("""
 
 
 def test_detach_of_a_buffer_a_running_job_uses_is_busy(default_device):
-    from dspx.host.tasks import Tasks
-
     with Tasks(socket=default_device.path) as u:
         handle, _ = u.load_ops(HOLD_OPS)
         try:
