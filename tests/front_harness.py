@@ -19,6 +19,9 @@ SIG = jobs.ModuleSig(False, [jobs.TensorSig("x", (2, 8), "float32")])
 
 
 class Front:
+    """A fresh front with one connection: calling it handles a request from that
+    connection and returns the actions."""
+
     def __init__(self, cores: int = 2):
         self.st = DeviceState(carveout_size=64 * MiB, ddr_pool_size=8 * MiB)
         self.h = Handlers(self.st, Cores(cores, lambda i: 1))
