@@ -96,8 +96,8 @@ def client_of():
 
 @pytest.fixture
 def front():
-    """A front's handlers driven directly, with no sockets (test_front_handlers.Front)."""
-    from test_front_handlers import Front
+    """A front's handlers driven directly, with no sockets (front_harness.Front)."""
+    from front_harness import Front
 
     f = Front()
     yield f
@@ -160,3 +160,16 @@ def compiled(example_onnx):
 
     yield get
     verifier.close()
+
+
+# ---------------------------------------------------------------- shared devices and op libraries
+
+@pytest.fixture(scope="module")
+def spin_device():
+    """A two-core device with the op library that holds a core (spin_ops.py)
+    loaded, for one test module (tests must not depend on its history)."""
+    import spin_ops
+
+    d = spin_ops.device("--carveout-size", "128M", "--ddr-pool-size", "64M", "--cores", "2")
+    yield d
+    d.stop()
