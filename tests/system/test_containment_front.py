@@ -141,7 +141,7 @@ KILL, EPERM_, ENOSYS_, ALLOW = 0x80000000, 0x00050001, 0x00050026, 0x7FFF0000
 
 
 def test_the_fronts_filter_allows_no_exec_no_new_socket_and_accept_only_on_its_listening_socket():
-    from dspx.device.core import sandbox
+    from dspx.device import sandbox
 
     lfd = 5
     code = sandbox.front_program(lfd)

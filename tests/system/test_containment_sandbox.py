@@ -19,7 +19,7 @@ import pytest
 
 import attacks
 from conftest import SMALL, Device
-from dspx.device.core import sandbox
+from dspx.device import sandbox
 from dspx.host.tasks import Tasks
 
 pytestmark = [attacks.needs_cc, pytest.mark.skipif(not sandbox.supported(), reason="the sandbox is x86-64 Linux")]
@@ -120,7 +120,7 @@ def test_dropped_capabilities_close_a_non_dumpable_parents_fds(tmp_path):
     script.write_text(f"""
 import ctypes, os, sys
 sys.path[:0] = {sys.path!r}
-from dspx.device.core import sandbox
+from dspx.device import sandbox
 fd = os.memfd_create("secret")
 os.write(fd, {MARKER!r})
 ctypes.CDLL(None).prctl(4, int(sys.argv[1]), 0, 0, 0)  # PR_SET_DUMPABLE

@@ -1,4 +1,4 @@
-"""The core's sandbox (device/core/sandbox.py): what code running in a core
+"""The core's sandbox (device/sandbox.py): what code running in a core
 can reach.  A core holds the buffers of the connection it serves only; its
 seccomp allow-list refuses new files, sockets and exec to whatever runs in
 it, op library code past the import check included.  docs/reliability.md
@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from dspx.device.core import sandbox
+from dspx.device import sandbox
 from dspx.errors import CallFailed
 from dspx.host.tasks import Tasks
 from conftest import Device

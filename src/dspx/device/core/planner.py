@@ -57,7 +57,7 @@ class Planner:
 def _serve(s: socket.socket) -> None:
     import ctypes
 
-    from . import sandbox
+    from .. import sandbox
     ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: die with the core
     keep = s.fileno()
     os.closerange(3, keep)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ...transport import recv_exact
-from . import sandbox
+from .. import sandbox
 
 
 @dataclass(frozen=True)

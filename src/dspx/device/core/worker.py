@@ -26,7 +26,8 @@ from ...abi import protocol as P
 from ...abi.protocol import Status
 from ...transport import Endpoint, PeerClosed
 from .. import jobs
-from . import probe, sandbox
+from . import probe
+from .. import sandbox
 from .errors import RuntimeBroken
 from .ops import clip
 from .prepared import Prepared

@@ -22,7 +22,7 @@ from ... import memory, trace
 from ...abi import protocol as P
 from ...abi.protocol import DEFAULT_JOB_TIMEOUT_S, Status as S
 from ...transport import PeerClosed, Timeout
-from ..core import sandbox
+from .. import sandbox
 from .actions import Forget, Notify, Respond, RespondTo, Submit, failure
 from .connections import Connections
 from .cores import CoreProc

@@ -1,6 +1,6 @@
 """The core spawner: the one process of the device that may still exec.
 
-The front's seccomp filter (core/sandbox.py ``front_program``) forbids
+The front's seccomp filter (device/sandbox.py ``front_program``) forbids
 execve and new sockets once it has started, so it cannot start a core
 itself.  At start-up, before its filter and before any client connects,
 the front forks this spawner (it holds no client state, and closes every
