@@ -52,7 +52,7 @@ CLONE_THREAD = 0x00010000
 # open flags that write or create: O_WRONLY O_RDWR O_CREAT O_TRUNC O_APPEND O_TMPFILE(__O_TMPFILE)
 WRITE_FLAGS = 0o1 | 0o2 | 0o100 | 0o1000 | 0o2000 | 0o20000000
 
-# x86-64 syscall numbers (asm/unistd_64.h; tests/test_reliability2_sandbox.py checks them against it)
+# x86-64 syscall numbers (asm/unistd_64.h; tests/device/core/test_sandbox.py checks them against it)
 NR = dict(read=0, write=1, open=2, close=3, stat=4, fstat=5, lstat=6, poll=7, lseek=8, mmap=9, mprotect=10,
           munmap=11, brk=12, rt_sigaction=13, rt_sigprocmask=14, rt_sigreturn=15, ioctl=16, pread64=17,
           pwrite64=18, readv=19, writev=20, access=21, pipe=22, select=23, sched_yield=24, mremap=25, msync=26,

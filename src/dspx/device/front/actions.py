@@ -4,7 +4,7 @@ A handler never calls into the loop: it returns a list of actions —
 ``Respond`` to the request's connection, ``RespondTo`` another one,
 ``Submit`` a ``FrontJob`` to a core, ``Notify`` cores of a record that needs
 no answer, ``Forget`` what cores hold — so every rule can be tested with no
-socket (``tests/test_front_handlers.py``).  ``Service.apply`` (loop.py)
+socket (``tests/device/front/test_handlers.py``).  ``Service.apply`` (loop.py)
 carries them out.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ A handler validates a request against the front's state and returns what
 should happen (``actions.py``: ``Respond``, ``Submit`` a job to a core,
 ``Notify`` cores, ``Forget`` what cores hold) instead of calling into the
 loop, so every rule can be tested with no socket
-(``tests/test_front_handlers.py``).  A refusal is
+(``tests/device/front/test_handlers.py``).  A refusal is
 ``Reject(status, message, **numbers)``.
 
 ``Handlers`` is one table over the message families, one module each:
