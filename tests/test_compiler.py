@@ -160,6 +160,12 @@ def test_unsupported_operator_is_named(tmp_path):
     assert e.value.operators == ["Det"]
 
 
+def test_verification_needs_a_verifier(tmp_path):
+    # the compiler starts no device of its own: whoever asks for verification says what runs the module
+    with pytest.raises(CompileError, match="verify=True needs a verifier"):
+        compile_onnx(tmp_path / "never-read.onnx", tmp_path / "out", progress=False)
+
+
 def test_dynamic_shape_refused(tmp_path):
     g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],

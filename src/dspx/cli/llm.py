@@ -160,8 +160,8 @@ def chat(max_tokens, system, model_dir, gguf, temperature, top_k, top_p, seed, r
     g.llm  # load now (with progress), not at the first question
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     if interactive:
-        from ..compiler.llm import default_cache_dir
-        _readline(default_cache_dir() / "chat_history")
+        from .. import cache
+        _readline(cache.root() / "chat_history")
     conv = Chat(g, system)
     sampling = _sampling(temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n, stop, max_time,
                          non_resident)
