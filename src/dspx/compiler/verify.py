@@ -2,12 +2,13 @@
 
 The module runs where it will run, through a ``ModuleRunner`` the caller
 passes (``dspx.host.verifier.DeviceVerifier``: on a device, through the real
-loader, kernels and weights path; the compiler itself never starts one).  The reference is onnxruntime on the same
-ONNX graph (with the reduced-precision weights already applied, so the
-comparison checks the compiler and not the rounding), or, when onnxruntime
-cannot run the model, TVM's own unoptimized build of the imported graph run
-in this process.  Inputs are random (fixed seed): standard normal floats,
-integers in [0, 2) (valid indices for any non-empty axis), random booleans.
+loader, kernels and weights path; the compiler itself never starts one).
+The reference is onnxruntime on the same ONNX graph (with the
+reduced-precision weights already applied, so the comparison checks the
+compiler and not the rounding), or, when onnxruntime cannot run the model,
+TVM's own unoptimized build of the imported graph run in this process.
+Inputs are random (fixed seed): standard normal floats, integers in [0, 2)
+(valid indices for any non-empty axis), random booleans.
 
 Tolerance (float outputs): max |module - reference| <= RTOL * max(1, max |reference|);
 integer and boolean outputs must be equal.  NaNs must sit in the same places.
