@@ -36,10 +36,10 @@ bench: $(STAMP)
 clean:
 	rm -rf .cache build benchmarks/results
 
-# libdspx, the C/C++ host library: built into ${XDG_CACHE_HOME:-~/.cache}/dspx/sdk/<hash>/ (prints that directory)
+# libdspx, the C/C++ host library: built into the cache area sdk/<hash>/ ($DSPX_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/dspx; prints that directory)
 .PHONY: libdspx
 libdspx: $(STAMP)
-	$(BIN)/python -c 'from dspx.sdk import host; print(host.build())'
+	$(BIN)/python -c 'from dspx.sdk import libdspx; print(libdspx.build())'
 
 # Mutation testing of the wire codec, the front's handlers and state, the host
 # session, the tile manager / DMA engine and the loader's checks (config:

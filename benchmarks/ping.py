@@ -193,13 +193,13 @@ def bench_c(n):
     import subprocess
     import tempfile
 
-    from dspx.sdk import host
+    from dspx.sdk import libdspx
 
     with tempfile.TemporaryDirectory(prefix="dspx-cping-") as tmp:
         src = os.path.join(tmp, "cping.c")
         with open(src, "w") as f:
             f.write(C_PING)
-        exe = host.compile_program([src], os.path.join(tmp, "cping"))
+        exe = libdspx.compile_program([src], os.path.join(tmp, "cping"))
         with dspx.Client(staging_size=0, printf_size=0) as c:  # the device (a) used: private unless one runs
             env = {**os.environ, "DSPX_SOCKET": c.socket_path}
             out = subprocess.run([str(exe), "device", str(n)], capture_output=True, text=True, env=env,

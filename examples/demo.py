@@ -39,6 +39,7 @@ def main() -> int:
         step("compile ResNet-18 (cached after the first run)")
         from dspx.compiler import examples
         from dspx.compiler.onnx import compile_onnx
+        from dspx.host.verifier import DeviceVerifier
         CACHE.mkdir(parents=True, exist_ok=True)
         onnx_path = CACHE / "resnet18.onnx"
         if not onnx_path.exists():
@@ -46,7 +47,8 @@ def main() -> int:
         module = CACHE / "resnet18"
         if not (module / "model.so").exists():
             t = time.monotonic()
-            compile_onnx(onnx_path, module)
+            with DeviceVerifier() as verifier:  # the module checked on a private device first
+                compile_onnx(onnx_path, module, verifier=verifier)
             print(f"compiled in {time.monotonic() - t:.1f} s")
         else:
             print(f"using {module}")

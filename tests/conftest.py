@@ -107,59 +107,58 @@ def front():
 
 # ---------------------------------------------------------------- compiled example modules
 
-CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "dspx")
+# The tests' compiled artefacts live in the checkout's ignored .cache/dspx
+# unless $DSPX_CACHE names another cache (set here, so the devices and CLIs
+# the tests start use it too).
+os.environ.setdefault("DSPX_CACHE", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                 ".cache", "dspx"))
+CACHE = os.environ["DSPX_CACHE"]
 
 
-def _compiler_digest() -> str:
-    """Compiled modules are reused while the compiler sources and TVM are unchanged."""
-    import hashlib
-    from pathlib import Path
+@pytest.fixture(scope="session")
+def device_verifier():
+    """One private device that verifies every module the tests compile (started on first use)."""
+    from dspx.host.verifier import DeviceVerifier
 
-    import tvm
-
-    import dspx.compiler
-
-    h = hashlib.sha256(tvm.__version__.encode())
-    compiler = Path(dspx.compiler.__file__).parent
-    for f in [*sorted(compiler.glob("*.py")), *sorted((compiler.parent / "abi").glob("*.py"))]:
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    with DeviceVerifier() as v:
+        yield v
 
 
 @pytest.fixture(scope="session")
 def example_onnx():
     """{name: path} of the example ONNX models (built once, cached in .cache/dspx)."""
+    from dspx import cache
     from dspx.compiler import examples
 
-    return examples.build_all(os.path.join(CACHE, "onnx"))
+    return examples.build_all(str(cache.area("onnx")))
+
+
+def compiled_example(name: str, onnx_path, verifier, separate: bool = False, kernels: bool = False,
+                     op_by_op: bool = False):
+    """The directory of example ``name`` compiled (once per compiler: cache area "modules")."""
+    from dspx import cache
+    from dspx.compiler import compiler_digest
+    from dspx.compiler.onnx import compile_onnx
+
+    modules = cache.area("modules")
+    root = modules / compiler_digest()
+    cache.prune(modules, keep=lambda d: d == root)  # builds by an older compiler
+    out = root / f"{name}{'-sep' if separate else ''}{'-k' if kernels else ''}{'-op' if op_by_op else ''}"
+    cache.publish(out, lambda tmp: compile_onnx(onnx_path, tmp, separate_weights=separate, kernels=kernels,
+                                                progress=False, verifier=verifier,
+                                                subgraph=False if op_by_op else None),
+                  complete="metadata.json")
+    return out
 
 
 @pytest.fixture(scope="session")
-def compiled(example_onnx):
+def compiled(example_onnx, device_verifier):
     """compiled(name, separate=False, kernels=False, op_by_op=False) -> directory
     of a compiled example module, cached in .cache/dspx across sessions
     (kernels=True hands the graph to one onnx_subgraph call unless op_by_op)."""
-    import shutil
-    from pathlib import Path
-
-    from dspx.compiler.onnx import compile_onnx
-    from dspx.compiler.verify import Verifier
-
-    verifier = Verifier()  # one private device checks every example compiled here
-    root = Path(CACHE, "modules", _compiler_digest())
-    for stale in root.parent.glob("*"):  # builds by an older compiler
-        if stale != root:
-            shutil.rmtree(stale, ignore_errors=True)
-
-    def get(name: str, separate: bool = False, kernels: bool = False, op_by_op: bool = False) -> Path:
-        out = root / f"{name}{'-sep' if separate else ''}{'-k' if kernels else ''}{'-op' if op_by_op else ''}"
-        if not (out / "metadata.json").exists():
-            compile_onnx(example_onnx[name], out, separate_weights=separate, kernels=kernels, progress=False,
-                         verifier=verifier, subgraph=False if op_by_op else None)
-        return out
-
-    yield get
-    verifier.close()
+    def get(name: str, separate: bool = False, kernels: bool = False, op_by_op: bool = False):
+        return compiled_example(name, example_onnx[name], device_verifier, separate, kernels, op_by_op)
+    return get
 
 
 # ---------------------------------------------------------------- shared devices and op libraries

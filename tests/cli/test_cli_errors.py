@@ -29,7 +29,10 @@ def dev():
 def files(tmp_path_factory, compiled, example_onnx):
     """Paths the cases use: a module, inputs right and wrong, a directory that
     is no LLM package, a shim that hides the tvm package (an install without
-    the tvm extra), a broken op library."""
+    the tvm extra), a broken op library, a model with an operator the compiler lacks."""
+    import onnx
+    from onnx import TensorProto, helper
+
     t = tmp_path_factory.mktemp("cli-errors")
     np.save(t / "x.npy", np.zeros((2, 32), np.float32))
     np.save(t / "wrong.npy", np.zeros((32, 2), np.float32))
@@ -38,6 +41,10 @@ def files(tmp_path_factory, compiled, example_onnx):
     (t / "notvm").mkdir()
     (t / "notvm" / "tvm.py").write_text("raise ModuleNotFoundError(\"No module named 'tvm'\", name='tvm')\n")
     (t / "broken_ops.py").write_text("def op(:\n")
+    g = helper.make_graph([helper.make_node("Det", ["x"], ["y"], name="det0")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), t / "det.onnx")
     return {"dir": t, "module": compiled("multi_output"), "onnx": example_onnx["multi_input"]}
 
 
@@ -61,6 +68,7 @@ def _cases(f, dev, tmp):
                                        ["--carveout-size", "'lots' is not a size"]),
         "compile without tvm": (("compile", f["onnx"], "-o", tmp / "out"), no_tvm, 1,
                                 ["dspx compile", "'tvm' extra", "pip install 'dspx[tvm]'"]),
+        "compile an unsupported operator": (("compile", t / "det.onnx", "-o", tmp / "out"), None, 1, ["Det"]),
         "run without tvm": (("run", m, "-i", t / "x.npy"), no_tvm, 1, ["'tvm' extra", "pip install 'dspx[tvm]'"]),
         "run wrong shape": (("run", m, "-i", t / "wrong.npy", *s), None, 1,
                             ["input 'x'", "expects float32[2, 32]", "got float32[32, 2]"]),
@@ -79,12 +87,13 @@ def _cases(f, dev, tmp):
 
 
 CASES = ["ping -c 0", "generate -n 0", "generate --model (no package)", "generate --model (a module dir)",
-         "serve on a busy socket", "serve --carveout-size lots", "compile without tvm", "run without tvm",
+         "serve on a busy socket", "serve --carveout-size lots", "compile without tvm",
+         "compile an unsupported operator", "run without tvm",
          "run wrong shape", "run float64", "run two inputs to one", "run missing file", "run no module",
          "run not a module", "no device on --socket", "status on a dead socket", "load-ops broken source",
          "unknown command"]
-JSON_CASES = ["ping -c 0", "generate --model (a module dir)", "compile without tvm", "run without tvm",
-              "run wrong shape", "no device on --socket"]
+JSON_CASES = ["ping -c 0", "generate --model (a module dir)", "compile without tvm", "compile an unsupported operator",
+              "run without tvm", "run wrong shape", "no device on --socket"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -116,6 +125,16 @@ def test_missing_extra_names_the_extra_in_json(files, dev, tmp_path):
     args, env, _, _ = _cases(files, dev, tmp_path)["compile without tvm"]
     out = json.loads(dspx(*args, "--json", env=env).stdout)
     assert (out["error"], out["extra"], out["module"]) == ("MissingExtra", "tvm", "tvm")
+
+
+def test_a_compile_error_is_its_own_words_and_names_its_operators(files, dev, tmp_path):
+    # the group's policy, not a block of the compile command's own: no type name in
+    # the line, and the operators and node in the JSON object
+    args, env, _, _ = _cases(files, dev, tmp_path)["compile an unsupported operator"]
+    r = dspx(*args, env=env)
+    assert r.stderr.startswith("error: ") and not r.stderr.startswith("error: CompileError"), r.stderr
+    out = json.loads(dspx(*args, "--json", env=env).stdout)
+    assert (out["error"], out["operators"], out["code"]) == ("CompileError", ["Det"], -1) and "node" in out, out
 
 
 def test_ctrl_c_exits_130_without_a_traceback(dev):

@@ -157,8 +157,14 @@ def test_unsupported_operator_is_named(tmp_path):
     path = tmp_path / "det.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
     with pytest.raises(CompileError, match="Det") as e:
-        compile_onnx(path, tmp_path / "out", progress=False)
+        compile_onnx(path, tmp_path / "out", progress=False, verify=False)
     assert e.value.operators == ["Det"]
+
+
+def test_verification_needs_a_verifier(tmp_path):
+    # the compiler starts no device of its own: whoever asks for verification says what runs the module
+    with pytest.raises(CompileError, match="verify=True needs a verifier"):
+        compile_onnx(tmp_path / "never-read.onnx", tmp_path / "out", progress=False)
 
 
 def test_dynamic_shape_refused(tmp_path):
@@ -168,20 +174,20 @@ def test_dynamic_shape_refused(tmp_path):
     path = tmp_path / "dyn.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
     with pytest.raises(CompileError, match="dynamic shape"):
-        compile_onnx(path, tmp_path / "out", progress=False)
+        compile_onnx(path, tmp_path / "out", progress=False, verify=False)
 
 
 def test_cli_compile(example_onnx, tmp_path):
-    from dspx.compiler.cli_compile import compile_cmd
+    from dspx.cli import main
 
-    r = CliRunner().invoke(compile_cmd, [str(example_onnx["multi_output"]), "-o", str(tmp_path / "m"),
-                                         "--separate-weights", "--no-kernels", "--json"])
+    r = CliRunner().invoke(main, ["compile", str(example_onnx["multi_output"]), "-o", str(tmp_path / "m"),
+                                  "--separate-weights", "--no-kernels", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["status"] == "ok" and out["weights"]["mode"] == "separate"
     assert {p.name for p in (tmp_path / "m").iterdir()} == {"model.so", "metadata.json", "weights.bin"}
-    r = CliRunner().invoke(compile_cmd, [str(example_onnx["multi_output"]), "-o", str(tmp_path / "h"),
-                                         "--no-kernels"])
+    r = CliRunner().invoke(main, ["compile", str(example_onnx["multi_output"]), "-o", str(tmp_path / "h"),
+                                  "--no-kernels"])
     assert r.exit_code == 0 and "outputs   relu float32[2, 24]" in r.stdout
 
 
@@ -190,9 +196,9 @@ def test_cli_compile(example_onnx, tmp_path):
 @pytest.fixture(scope="module")
 def verifier():
     """One private device for every verification in this file (its core stays warm)."""
-    from dspx.compiler.verify import Verifier
+    from dspx.host.verifier import DeviceVerifier
 
-    with Verifier() as v:
+    with DeviceVerifier() as v:
         yield v
 
 def _save(tmp_path, nodes, inputs, outputs, inits=(), name="m.onnx", opset=17):
@@ -290,7 +296,7 @@ def test_failures_are_one_line_naming_the_cause(tmp_path, build, message, verifi
 
 
 def test_shape_and_dim_options(tmp_path, verifier):
-    from dspx.compiler.cli_compile import compile_cmd
+    from dspx.cli import main
 
     path = _save(tmp_path, [helper.make_node("MatMul", ["a", "b"], ["y"])],
                  [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["N", 4]),
@@ -298,15 +304,15 @@ def test_shape_and_dim_options(tmp_path, verifier):
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "M"])])
     with pytest.raises(CompileError, match=r"input 'a' has a dynamic shape \[N,4\].*--dim N=VALUE"):
         compile_onnx(path, tmp_path / "o0", progress=False, verifier=verifier)
-    r = CliRunner().invoke(compile_cmd, [str(path), "-o", str(tmp_path / "o1"), "--dim", "N=3",
-                                         "--shape", "b=4,5", "--json"])
+    r = CliRunner().invoke(main, ["compile", str(path), "-o", str(tmp_path / "o1"), "--dim", "N=3",
+                                  "--shape", "b=4,5", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["inputs"][0]["shape"] == [3, 4] and out["outputs"] == [
         {"name": "y", "shape": [3, 5], "dtype": "float32", "nbytes": 60}]
-    r = CliRunner().invoke(compile_cmd, [str(path), "-o", str(tmp_path / "o2"), "--dim", "Q=3", "--json"])
+    r = CliRunner().invoke(main, ["compile", str(path), "-o", str(tmp_path / "o2"), "--dim", "Q=3", "--json"])
     assert r.exit_code == 1 and "--dim names Q, not a symbolic dimension" in r.stdout
-    r = CliRunner().invoke(compile_cmd, [str(path), "-o", str(tmp_path / "o3"), "--shape", "a=3,5"])
+    r = CliRunner().invoke(main, ["compile", str(path), "-o", str(tmp_path / "o3"), "--shape", "a=3,5"])
     assert r.exit_code == 1 and "dimension 1 is fixed at 4 in the model, not 5" in r.output
 
 

@@ -93,11 +93,11 @@ def _compile_one(args) -> dict:
     """Compile one case into its cache directory (in a worker process)."""
     case, outdir = Path(args[0]), Path(args[1])
     from dspx.compiler.onnx import CompileError, compile_onnx
-    from dspx.compiler.verify import Verifier
+    from dspx.host.verifier import DeviceVerifier
 
     global _VERIFIER
     if "_VERIFIER" not in globals():
-        _VERIFIER = Verifier()
+        _VERIFIER = DeviceVerifier()
     try:
         compile_onnx(case / "model.onnx", outdir, progress=False, verifier=_VERIFIER,
                      shapes=dynamic_shapes(case))

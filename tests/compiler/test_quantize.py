@@ -6,11 +6,7 @@ device, against onnxruntime's own ``quantize_static`` QDQ model of the same
 graph calibrated on the same samples, and its top-1 against float32."""
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -19,15 +15,14 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
+from dspx import cache
+from dspx.compiler import compiler_digest
 from dspx.compiler.checks import CompileError
 from dspx.compiler.quantize import load_calibration, qparams
 from dspx.device.core import kernels as K
 from dspx.device.core.kernels import q8 as Q8
 from dspx.host.vm import VirtualMachine
 
-from conftest import _compiler_digest
-
-CACHE = Path(os.environ.get("DSPX_CACHE", Path.home() / ".cache" / "dspx")) / "quantize"
 #: module vs onnxruntime's QDQ model: max abs error over max |QDQ logits|
 QDQ_TOL = 0.05
 SAMPLES = 32
@@ -70,22 +65,19 @@ def q8(shared_device):
     """(model path, calibration path, compiled int8 module dir), cached by content hash;
     verified on the module's shared device."""
     from dspx.compiler.onnx import compile_onnx
-    from dspx.compiler.verify import Verifier
+    from dspx.host.verifier import DeviceVerifier
 
     model = _net()
     calib = _inputs(SAMPLES, 1)
-    key = hashlib.sha256(model.SerializeToString() + calib.tobytes() + _compiler_digest().encode()).hexdigest()[:16]
-    root = CACHE / key
-    onnx_path, npz = root / "net.onnx", root / "calib.npz"
-    out = root / "q8"
-    if not (out / "metadata.json").exists():
-        shutil.rmtree(root, ignore_errors=True)
-        root.mkdir(parents=True)
-        onnx.save(model, str(onnx_path))
-        np.savez(npz, x=calib)
-        compile_onnx(onnx_path, out, progress=False, quantize="int8", calibrate=npz,
-                     verifier=Verifier(socket=shared_device.path))
-    return onnx_path, npz, out
+
+    def build(d):
+        onnx.save(model, str(d / "net.onnx"))
+        np.savez(d / "calib.npz", x=calib)
+        compile_onnx(d / "net.onnx", d / "q8", progress=False, quantize="int8", calibrate=d / "calib.npz",
+                     verifier=DeviceVerifier(socket=shared_device.path))
+    root = cache.area("quantize") / cache.digest((), model.SerializeToString(), calib.tobytes(), compiler_digest())
+    cache.publish(root, build, complete="q8/metadata.json")
+    return root / "net.onnx", root / "calib.npz", root / "q8"
 
 
 # ---------------------------------------------------------------- kernels vs numpy

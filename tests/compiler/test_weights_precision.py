@@ -66,11 +66,11 @@ def test_int8_is_per_channel_symmetric():
 
 @pytest.mark.parametrize("mode", ["float16", "int8"])
 def test_small_net_reduced_weights(tmp_path, mode, shared_device):
-    from dspx.compiler.verify import Verifier
+    from dspx.host.verifier import DeviceVerifier
 
     src = _small_net(tmp_path / "small.onnx")
     meta = compile_onnx(src, tmp_path / mode, weights=mode, progress=False,
-                        verifier=Verifier(shared_device.path))  # verify on the module's device
+                        verifier=DeviceVerifier(shared_device.path))  # verify on the module's device
     prec = meta["weights_precision"]
     assert meta["weights"]["mode"] == "separate"
     if mode == "int8":

@@ -158,16 +158,14 @@ class FuzzStats:
 
 def compiled_example(name: str) -> Path:
     """Directory of a compiled example module (the tests' cache in .cache/dspx)."""
-    from conftest import CACHE, _compiler_digest
+    from conftest import compiled_example as compile_example  # (conftest sets the tests' $DSPX_CACHE)
 
-    out = Path(CACHE, "modules", _compiler_digest(), name)
-    if not (out / "metadata.json").exists():
-        from dspx.compiler import examples
-        from dspx.compiler.onnx import compile_onnx
+    from dspx import cache
+    from dspx.compiler import examples
+    from dspx.host.verifier import DeviceVerifier
 
-        onnx_paths = examples.build_all(os.path.join(CACHE, "onnx"))
-        compile_onnx(onnx_paths[name], out, separate_weights=False, kernels=False, progress=False)
-    return out
+    with DeviceVerifier() as verifier:  # its device starts only if the module is not cached
+        return compile_example(name, examples.build_all(str(cache.area("onnx")))[name], verifier)
 
 
 def device_footprint(front_pid: int) -> dict:

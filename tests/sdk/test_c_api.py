@@ -24,9 +24,10 @@ import onnxruntime as ort
 import pytest
 from elftools.elf.elffile import ELFFile
 
+from dspx import cache
 from dspx.abi import protocol as P
 from dspx.compiler.examples import random_inputs
-from dspx.sdk import host
+from dspx.sdk import libdspx
 
 from conftest import SMALL, Device
 
@@ -69,7 +70,7 @@ def run(binary, *args, socket_path: str | None = None, timeout: float = RUN_TIME
 def compile_src(tmp: Path, name: str, text: str, **kw) -> Path:
     src = tmp / name
     src.write_text(text)
-    return host.compile_program([src], tmp / src.stem, **kw)
+    return libdspx.compile_program([src], tmp / src.stem, **kw)
 
 
 def _align(n: int, a: int) -> int:
@@ -113,7 +114,7 @@ def _dynstr_rename(so: bytes, old: str, new: str) -> bytes:
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
 def sdk() -> Path:
-    return host.build()
+    return libdspx.build()
 
 
 @pytest.fixture(scope="session")
@@ -135,13 +136,13 @@ WIDE_IN, WIDE_OUT = 384, 74240  # io_meta: 128 + 256 | 256 + 256 + 24576 + 49152
 
 
 @pytest.fixture(scope="module")
-def wide_bare(tmp_path_factory, compiled) -> Path:
+def wide_bare(tmp_path_factory, compiled, device_verifier) -> Path:
     """The wide module with its io_meta symbol renamed away: no declaration."""
     from dspx.compiler import examples
     from dspx.compiler.onnx import compile_onnx
 
     d = tmp_path_factory.mktemp("wide")
-    compile_onnx(examples.wide(d / "wide.onnx"), d / "out", kernels=False, progress=False)
+    compile_onnx(examples.wide(d / "wide.onnx"), d / "out", kernels=False, progress=False, verifier=device_verifier)
     bare = d / "bare"
     bare.mkdir()
     so = _dynstr_rename((d / "out" / "model.so").read_bytes(), "_binary_tvm_dsp_io_meta_start",
@@ -239,16 +240,16 @@ def fake(tmp_path):
 
 # ================================================================ build, headers, wire layout
 def test_build_is_cached_libc_only_and_has_a_pkgconfig(sdk, tmp_path):
-    sdk = host.build()
-    assert host.build() == sdk and (sdk / ".built").exists()  # idempotent
-    assert sdk.is_relative_to(host.cache_root()) and not sdk.is_relative_to(ROOT)
+    sdk = libdspx.build()
+    assert libdspx.build() == sdk and (sdk / ".built").exists()  # idempotent
+    assert sdk.is_relative_to(cache.area("sdk")) and not sdk.is_relative_to(ROOT / "src")  # never the package tree
     for f in ("libdspx.so", "libdspx++.so", "dspx.pc", "include/dspx_wire.h"):
         assert (sdk / f).is_file(), f
     needed = subprocess.run(["readelf", "-d", str(sdk / "libdspx.so")], capture_output=True, text=True,
                             timeout=30).stdout
     libs = {line.split("[")[1].rstrip("]") for line in needed.splitlines() if "(NEEDED)" in line}
     assert libs <= {"libc.so.6", "ld-linux-x86-64.so.2"}, libs  # the C library needs libc only
-    assert f"-I{sdk}/include" in host.cflags() and "-ldspx" in host.libs() and f"-Wl,-rpath,{sdk}" in host.libs()
+    assert f"-I{sdk}/include" in libdspx.cflags() and "-ldspx" in libdspx.libs() and f"-Wl,-rpath,{sdk}" in libdspx.libs()
     pc = subprocess.run(["pkg-config", "--cflags", "--libs", "dspx"], capture_output=True, text=True, timeout=30,
                         env={**os.environ, "PKG_CONFIG_PATH": str(sdk)})
     assert pc.returncode == 0, pc.stderr
@@ -289,7 +290,7 @@ def test_every_header_compiles_from_c_and_cxx_pedantic(sdk, tmp_path, lang):
     src.write_text(body)
     std = ["-std=c11"] if lang == "c" else ["-std=c++17"]
     r = subprocess.run([("cc" if lang == "c" else "c++"), *std, "-Wall", "-Wextra", "-Wpedantic", "-Werror",
-                        *host.cflags().split(), "-c", str(src), "-o", str(tmp_path / "h.o")],
+                        *libdspx.cflags().split(), "-c", str(src), "-o", str(tmp_path / "h.o")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
@@ -608,7 +609,7 @@ def test_load_out_of_ddr_pool_names_the_numbers(driver, compiled):
 
 def test_c7x_compute_cli_runs_a_module_and_says_json(sdk, shared_device, compiled, example_onnx, tmp_path):
     """The TI-shaped CLI built on the libraries: load + infer + unload in one connection."""
-    cli = host.cli_path()
+    cli = libdspx.cli_path()
     d = compiled("multi_input")
     meta = json.loads((d / "metadata.json").read_text())
     x = random_inputs(meta, seed=5)
@@ -657,12 +658,12 @@ def test_seed_softmax_host_program(tmp_path):
 
     src = ROOT / "examples" / "ucp_c" / "softmax_host.cc"
     # the seed's own code draws exactly these two warnings (no others)
-    r = subprocess.run(["c++", "-std=c++17", "-Wall", "-Wextra", *host.cflags().split(), "-fsyntax-only", str(src)],
+    r = subprocess.run(["c++", "-std=c++17", "-Wall", "-Wextra", *libdspx.cflags().split(), "-fsyntax-only", str(src)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
     kinds = {line.rsplit("[", 1)[1].rstrip("]") for line in r.stderr.splitlines() if "warning:" in line}
     assert kinds == {"-Wsign-compare", "-Wunused-parameter"}, r.stderr
-    exe = host.compile_program([src], tmp_path / "softmax_host", extra=("-Wno-sign-compare", "-Wno-unused-parameter"))
+    exe = libdspx.compile_program([src], tmp_path / "softmax_host", extra=("-Wno-sign-compare", "-Wno-unused-parameter"))
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
     env.pop("DSPX_SOCKET", None)
     sock = tmp_path / f"dspx-{os.getuid()}" / "dsp0.sock"
@@ -863,7 +864,7 @@ def test_device_killed_mid_infer_gives_a_clear_error(driver, compiled, tmp_path)
 def test_cxx_resnet18_example_matches_onnxruntime(sdk, compiled, example_onnx, tmp_path):
     d = compiled("resnet18", kernels=True)
     meta = json.loads((d / "metadata.json").read_text())
-    exe = host.compile_program([ROOT / "examples" / "cpp" / "resnet18.cc"], tmp_path / "resnet18")
+    exe = libdspx.compile_program([ROOT / "examples" / "cpp" / "resnet18.cc"], tmp_path / "resnet18")
     x = random_inputs(meta, seed=3)[0]
     x.tofile(tmp_path / "x.bin")
     dev = Device("--carveout-size", "256M", "--ddr-pool-size", "128M")

@@ -33,14 +33,14 @@ def test_readme_python_examples_run(tmp_path, compiled, example_onnx):
     # InferenceSession's first use compiles (test_onnxrt covers that); here its
     # cache holds the same model compiled, under the key it will look for
     # (computed in the script's own process: the compiler's sources are in the key).
-    cache = tmp_path / "xdg-cache"
-    seed = ("import shutil\nfrom dspx.host.onnxrt import cache_key, cache_root\n"
-            "shutil.copytree('build/model', cache_root() / cache_key('model.onnx'))\n")
+    cache = tmp_path / "cache"
+    seed = ("import shutil\nfrom dspx import cache\nfrom dspx.host.onnxrt import AREA, cache_key\n"
+            "shutil.copytree('build/model', cache.area(AREA) / cache_key('model.onnx'))\n")
     script = tmp_path / "readme_examples.py"
     script.write_text("\n\n".join([seed, *python_blocks(README.read_text()), *python_blocks(COMING_FROM.read_text())]))
     dev = Device("--ddr-pool-size", "96M", "--cores", "2")  # the default carveout: Client()'s default staging
     try:
-        env = {**os.environ, "DSPX_SOCKET": dev.path, "XDG_CACHE_HOME": str(cache)}
+        env = {**os.environ, "DSPX_SOCKET": dev.path, "DSPX_CACHE": str(cache)}
         r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=300)
     finally:

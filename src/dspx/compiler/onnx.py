@@ -181,7 +181,9 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
         TVM's unoptimized build) before declaring success (dspx.compiler.verify).
     shapes / dims: {input: [d0, d1, ...]} / {symbol: value} for dynamic inputs.
     weights: "float32", "float16" or "int8" (implies separate weights).
-    verifier: a dspx.compiler.verify.Verifier to reuse across compiles.
+    verifier: what runs the module for ``verify`` (a
+        dspx.compiler.verify.ModuleRunner, e.g. dspx.host.verifier.DeviceVerifier;
+        required with verify=True: the compiler starts no device of its own).
     quantize / calibrate: "int8" and the .npz of calibration inputs: int8
         post-training quantization (dspx.compiler.quantize, docs/quantize.md).
     subgraph: hand the longest supported prefix of the graph to one
@@ -195,6 +197,9 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
 
     if weights not in MODES:
         raise CompileError(f"--weights must be one of {', '.join(MODES)}, got {weights!r}")
+    if verify and verifier is None:
+        raise CompileError("verify=True needs a verifier to run the module: pass "
+                           "verifier=dspx.host.verifier.DeviceVerifier() (a private device), or verify=False")
     separate_weights = separate_weights or weights != "float32"
     outdir = Path(outdir)
     prog = _Progress(progress)
@@ -232,12 +237,12 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
         num_inputs = len(func.params) - len(params)
         inputs, outputs = _io_specs(model, func, num_inputs)
         weight_names = [p.name for p in func.params[num_inputs:]]
-    qplan = None
+    calib = None
     if quantize:
         from dspx.compiler.quantize import prepare
 
         with prog.stage("calibrate", "calibrate int8 activation ranges"):
-            qplan = prepare(model, quantize, calibrate, kernels=kernels, separate_weights=separate_weights,
+            calib = prepare(model, quantize, calibrate, kernels=kernels, separate_weights=separate_weights,
                             weights=weights)
 
     target = tvm.target.Target(target_dict)
@@ -247,9 +252,9 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
         try:
             mod = relax.transform.DecomposeOpsForInference()(mod)  # BatchNorm etc. to arithmetic
             if kernels:
-                mod, imports = _rewrite_kernels(mod, target, blocked=qplan is None)
-                if qplan is not None:  # int8 kernels take plain NCHW tensors
-                    mod, imports = qplan.lower(mod)
+                mod, imports = _rewrite_kernels(mod, target, blocked=calib is None)
+                if calib is not None:  # int8 kernels take plain NCHW tensors
+                    mod, imports = calib.lower(mod)
                 if part is not None:
                     imports = sorted(set(imports) | {PREFIX + "onnx_subgraph"})
             with target:
@@ -296,15 +301,15 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
                     original = onnx.load(str(model_path))
                     apply_shapes(original, shapes, dims)
                     original = original.SerializeToString()
-                if qplan is not None:
-                    report = qplan.verify(outdir, meta, onnx.load(str(model_path)), shapes, dims, verifier)
+                if calib is not None:
+                    report = calib.verify(outdir, meta, onnx.load(str(model_path)), shapes, dims, verifier)
                 else:
-                    report = _verify.verify(outdir, meta, reference.SerializeToString(), imported, params,
-                                            verifier=verifier, float32_model=original)
+                    report = _verify.verify(outdir, meta, reference.SerializeToString(), verifier, imported, params,
+                                            float32_model=original)
             meta = _metadata(outdir, sig, io_meta, target_dict, tvm.__version__, separate_weights, wreport,
                              report, subgraphs)
-    if qplan is not None:
-        meta = qplan.record(outdir, meta)
+    if calib is not None:
+        meta = calib.record(outdir, meta)
     meta["timings"] = prog.times
     return meta
 

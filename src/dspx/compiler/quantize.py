@@ -152,12 +152,12 @@ def calibrate(model: onnx.ModelProto, arrays: dict[str, np.ndarray]) -> dict[str
             for name, t in data.data.items()}
 
 
-# ---------------------------------------------------------------- the plan
+# ---------------------------------------------------------------- what calibration found
 
 @dataclass
-class QuantPlan:
+class Calibration:
     """What calibration found, keyed by the digest of each quantizable weight."""
-    calibration: dict[str, np.ndarray]
+    arrays: dict[str, np.ndarray]  # the calibration samples (load_calibration)
     model: onnx.ModelProto  # the float32 graph TVM imports (compiler rewrites applied)
     weights: dict[str, dict] = field(default_factory=dict)  # digest -> {node, input, output ranges}
     report: dict = field(default_factory=dict)
@@ -169,7 +169,7 @@ class QuantPlan:
         self.report["kernels"] = {k: v for k, v in counts.items() if v}  # float ones: kept float32
         return mod, sorted(used)
 
-    def verify(self, outdir, meta: dict, original: onnx.ModelProto, shapes, dims, verifier=None) -> dict:
+    def verify(self, outdir, meta: dict, original: onnx.ModelProto, shapes, dims, verifier) -> dict:
         """The module against onnxruntime's QDQ model of the same graph (see verify)."""
         from dspx.compiler.checks import apply_shapes
 
@@ -192,7 +192,7 @@ class QuantPlan:
 
 
 def prepare(model: onnx.ModelProto, mode: str, calibration_path, *, kernels: bool, separate_weights: bool,
-            weights: str) -> QuantPlan:
+            weights: str) -> Calibration:
     """Check the options, read the calibration file and calibrate ``model``."""
     if mode not in MODES:
         raise CompileError(f"--quantize must be {' or '.join(MODES)}, got {mode!r}")
@@ -207,7 +207,7 @@ def prepare(model: onnx.ModelProto, mode: str, calibration_path, *, kernels: boo
     arrays = load_calibration(calibration_path, model)
     t0 = time.perf_counter()
     ranges = calibrate(model, arrays)
-    plan = QuantPlan(arrays, model)
+    calib = Calibration(arrays, model)
     inits = {i.name: i for i in model.graph.initializer}
     for node in model.graph.node:
         if node.op_type not in QUANTIZED_OPS or len(node.input) < 2 or node.input[1] not in inits:
@@ -218,15 +218,16 @@ def prepare(model: onnx.ModelProto, mode: str, calibration_path, *, kernels: boo
             continue  # stays float32
         lo, hi = ranges[node.input[0]]
         olo, ohi = ranges[node.output[0]]
-        entry = plan.weights.setdefault(_digest(w), {"node": node.name or node.output[0], "input": (lo, hi),
+        entry = calib.weights.setdefault(_digest(w), {"node": node.name or node.output[0], "input": (lo, hi),
                                                      "output": (olo, ohi)})
         # one initializer read by two nodes: the union of their ranges
         entry["input"] = (min(entry["input"][0], lo), max(entry["input"][1], hi))
         entry["output"] = (min(entry["output"][0], olo), max(entry["output"][1], ohi))
     n = next(iter(arrays.values())).shape[0]
-    plan.report = {"mode": mode, "samples": n, "calibration": "onnxruntime MinMax",
-                   "calibrated_weights": len(plan.weights), "calibrate_seconds": round(time.perf_counter() - t0, 2)}
-    return plan
+    calib.report = {"mode": mode, "samples": n, "calibration": "onnxruntime MinMax",
+                    "calibrated_weights": len(calib.weights),
+                    "calibrate_seconds": round(time.perf_counter() - t0, 2)}
+    return calib
 
 
 # ---------------------------------------------------------------- lowering (relax)
@@ -242,7 +243,7 @@ def quantize_weight(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return q, s.reshape(-1)
 
 
-def _lower(mod, plan: QuantPlan):
+def _lower(mod, calib: Calibration):
     import tvm
     from tvm import relax, tirx
 
@@ -276,7 +277,7 @@ def _lower(mod, plan: QuantPlan):
                 wn = w.value.numpy()
                 if wn.dtype == np.float32:
                     # the importer may have folded a Gemm's transB into the constant
-                    entry = plan.weights.get(_digest(wn)) or (plan.weights.get(_digest(wn.T))
+                    entry = calib.weights.get(_digest(wn)) or (calib.weights.get(_digest(wn.T))
                                                               if short == "dense" else None)
             if entry is None:
                 counts[name] += 1  # stays float32: no calibrated ONNX node has this weight
@@ -387,45 +388,22 @@ def agreement(got: list[np.ndarray], ref: list[np.ndarray]) -> dict:
             "rel": float(err.max(initial=0.0)) / max(float(np.abs(r).max(initial=0.0)), 1e-30)}
 
 
-def _run_all(verifier, outdir: Path, module: str, inputs: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
-    """Every sample through one load of the module on the verifier's device
-    (Verifier.run loads it once per call)."""
-    from dspx.host.vm import VirtualMachine
-
-    size = (outdir / module).stat().st_size
-    vm = VirtualMachine(outdir, socket=verifier._path(), staging_size=max(size + (1 << 20), 16 << 20), kv_size=0)
-    try:
-        outs = []
-        for args in inputs:
-            out = vm["main"](*args)
-            outs.append([np.array(o) for o in (out if isinstance(out, (list, tuple)) else [out])])
-        return outs
-    finally:
-        vm.close()
-
-
-def verify(outdir, meta: dict, plan: QuantPlan, original: onnx.ModelProto, verifier=None) -> dict:
-    """Run the module on up to VERIFY_SAMPLES calibration samples on a device;
-    CompileError if an output is further than QDQ_RTOL from onnxruntime's QDQ
-    int8 model.  Returns the report (also errors and top-1 vs float32)."""
-    from dspx.compiler import verify as _verify
-
-    feeds = list(samples(plan.calibration))[:VERIFY_SAMPLES]
+def verify(outdir, meta: dict, calib: Calibration, original: onnx.ModelProto, verifier) -> dict:
+    """Run the module on up to VERIFY_SAMPLES calibration samples through
+    ``verifier`` (a dspx.compiler.verify.ModuleRunner); CompileError if an
+    output is further than QDQ_RTOL from onnxruntime's QDQ int8 model.  Returns the report (also errors and top-1 vs float32)."""
+    feeds = list(samples(calib.arrays))[:VERIFY_SAMPLES]
     names = [t["name"] for t in meta["inputs"]]
-    qdq = qdq_model(plan.model, plan.calibration)
+    qdq = qdq_model(calib.model, calib.arrays)
     ref_q = ort_outputs(qdq, feeds)
     ref_f = ort_outputs(original, feeds)
-    own = verifier or _verify.Verifier()
     try:
-        got = _run_all(own, Path(outdir), meta["module"], [[f[n] for n in names] for f in feeds])
+        got = verifier(Path(outdir), [[f[n] for n in names] for f in feeds])
     except CompileError:
         raise
     except Exception as e:  # noqa: BLE001 - a module that does not load or run is a compile failure
         raise CompileError(f"the quantized module fails on the device: {type(e).__name__}: "
                            f"{str(e).splitlines()[0][:300]}") from None
-    finally:
-        if verifier is None:
-            own.close()
     report = {"reference": "onnxruntime quantize_static QDQ (U8S8, per channel, MinMax, same samples)",
               "samples": len(feeds), "rtol": QDQ_RTOL, "vs_qdq": {}, "vs_float32": {}, "qdq_vs_float32": {}}
     for i, out in enumerate(meta["outputs"]):

@@ -1,25 +1,31 @@
 """Check a compiled module against a reference before calling the compile done.
 
-The module runs where it will run: on a device (a private one the verifier
-starts, ~0.25 s, and reuses for every module it checks), through the real
-loader, kernels and weights path.  The reference is onnxruntime on the same
-ONNX graph (with the reduced-precision weights already applied, so the
-comparison checks the compiler and not the rounding), or, when onnxruntime
-cannot run the model, TVM's own unoptimized build of the imported graph run
-in this process.  Inputs are random (fixed seed): standard normal floats,
-integers in [0, 2) (valid indices for any non-empty axis), random booleans.
+The module runs where it will run, through a ``ModuleRunner`` the caller
+passes (``dspx.host.verifier.DeviceVerifier``: on a device, through the real
+loader, kernels and weights path; the compiler itself never starts one).
+The reference is onnxruntime on the same ONNX graph (with the
+reduced-precision weights already applied, so the comparison checks the
+compiler and not the rounding), or, when onnxruntime cannot run the model,
+TVM's own unoptimized build of the imported graph run in this process.
+Inputs are random (fixed seed): standard normal floats, integers in [0, 2)
+(valid indices for any non-empty axis), random booleans.
 
 Tolerance (float outputs): max |module - reference| <= RTOL * max(1, max |reference|);
 integer and boolean outputs must be equal.  NaNs must sit in the same places.
 """
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from dspx.compiler.checks import CompileError
+
+#: What runs a compiled module for verification: ``runner(outdir, samples)``
+#: -> the outputs of each sample (a list of input arrays), all through one
+#: load of the module in ``outdir``.
+ModuleRunner = Callable[[Path, list[list[np.ndarray]]], list[list[np.ndarray]]]
 
 RTOL = {"float32": 1e-4, "float64": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
 SEED = 20261201
@@ -100,53 +106,9 @@ def tvm_reference(mod, params: list, inputs: list[np.ndarray]) -> list[np.ndarra
     return [o.numpy() for o in outs]
 
 
-class Verifier:
-    """Runs compiled modules on a device it owns (started on first use)."""
-
-    def __init__(self, socket: str | None = None):
-        self.socket = socket
-        self._dev = None
-
-    def _path(self) -> str:
-        if self.socket is None:
-            from dspx.host.launcher import PrivateDevice
-
-            self._dev = PrivateDevice()
-            self.socket = self._dev.path
-        return self.socket
-
-    def run(self, outdir: Path, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        from dspx.host.vm import VirtualMachine
-
-        meta = json.loads((Path(outdir) / "metadata.json").read_text())
-        need = (Path(outdir) / meta["module"]).stat().st_size
-        wfile = (meta.get("weights") or {}).get("file")
-        if wfile:
-            need = max(need, (Path(outdir) / wfile).stat().st_size)
-        vm = VirtualMachine(outdir, socket=self._path(), staging_size=max(need + (1 << 20), 16 << 20),
-                            kv_size=0)
-        try:
-            out = vm["main"](*inputs)
-            return [np.array(o) for o in (out if isinstance(out, (list, tuple)) else [out])]
-        finally:
-            vm.close()
-
-    def close(self) -> None:
-        if self._dev is not None:
-            self._dev.stop()
-            self._dev = None
-            self.socket = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def verify(outdir, meta: dict, reference_model: bytes, tvm_module=None, tvm_params=(),
-           verifier: Verifier | None = None, float32_model: bytes | None = None) -> dict:
-    """Run the module and its reference on the same random inputs; raise
+def verify(outdir, meta: dict, reference_model: bytes, verifier: ModuleRunner, tvm_module=None, tvm_params=(),
+           float32_model: bytes | None = None) -> dict:
+    """Run the module (by ``verifier``) and its reference on the same random inputs; raise
     CompileError naming the first output outside tolerance.  Returns the
     report recorded in metadata.json ``verify``.  With ``float32_model`` (the
     original when weights were reduced) the report also gives the module's
@@ -167,9 +129,8 @@ def verify(outdir, meta: dict, reference_model: bytes, tvm_module=None, tvm_para
                                f"unoptimized build failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                                "compile with --no-verify to skip the check") from None
         source = "tvm-unoptimized"
-    own = verifier or Verifier()
     try:
-        got = own.run(Path(outdir), inputs)
+        got = verifier(Path(outdir), [inputs])[0]
     except CompileError:
         raise
     except Exception as e:  # noqa: BLE001 - a module that does not load or run is a compile failure
@@ -180,9 +141,6 @@ def verify(outdir, meta: dict, reference_model: bytes, tvm_module=None, tvm_para
             raise CompileError(f"the compiled module does not fit a default device ({text}); store the weights "
                                "smaller with --weights float16 or int8 (or --no-verify to keep it)") from None
         raise CompileError(f"the compiled module fails on the device: {text}") from None
-    finally:
-        if verifier is None:
-            own.close()
     if len(got) != len(ref):
         raise CompileError(f"verification: the module returns {len(got)} outputs, {source} {len(ref)}")
     errors = {}

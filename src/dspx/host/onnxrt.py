@@ -4,21 +4,20 @@
     [i.name for i in sess.get_inputs()]            # NodeArg: name, shape, type
     y, = sess.run(None, {"x": x})                  # or run(["y"], feeds)
 
-An ``.onnx`` file is compiled (``dspx compile``) into a directory keyed by
-its content and the compiler's, under ``$XDG_CACHE_HOME/dspx/sessions``
-(``~/.cache/dspx/sessions``); a later session on the same model loads it from
-there.  A directory from ``dspx compile`` is loaded as it is.
+An ``.onnx`` file is compiled (``dspx compile``, verified on a private
+device) into a directory keyed by its content, the compiler and the options,
+in the cache area "sessions" (``dspx.cache``: ``$DSPX_CACHE/sessions``, else
+``$XDG_CACHE_HOME/dspx/sessions``, else ``~/.cache/dspx/sessions``); a later
+session on the same model loads it from there.  A directory from
+``dspx compile`` is loaded as it is.
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import cache
 from ..errors import DspxError, InputError
 
 # numpy dtype name -> onnxruntime's type string
@@ -27,6 +26,7 @@ ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "float64"
              "int32": "tensor(int32)", "int64": "tensor(int64)", "uint8": "tensor(uint8)",
              "uint16": "tensor(uint16)", "uint32": "tensor(uint32)", "uint64": "tensor(uint64)",
              "bool": "tensor(bool)"}
+AREA = "sessions"
 
 
 @dataclass(frozen=True)
@@ -37,52 +37,30 @@ class NodeArg:
     type: str
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dspx" / "sessions"
-
-
-def compiler_digest() -> str:
-    """What a compiled module depends on besides the model: TVM and the compiler's sources."""
-    import tvm
-
-    import dspx.compiler
-
-    h = hashlib.sha256(tvm.__version__.encode())
-    compiler = Path(dspx.compiler.__file__).parent
-    for f in [*sorted(compiler.glob("*.py")), *sorted((compiler.parent / "abi").glob("*.py"))]:
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
 def cache_key(onnx_path, **compile_options) -> str:
     """The model's bytes, the compiler's and the options: what a compiled module depends on."""
-    options = repr(sorted(compile_options.items())).encode()
-    return hashlib.sha256(Path(onnx_path).read_bytes() + compiler_digest().encode() + options).hexdigest()[:24]
+    from ..compiler import compiler_digest
+
+    compile_options.pop("verifier", None)  # where the module is checked is no part of it
+    return cache.digest([Path(onnx_path)], compiler_digest(), repr(sorted(compile_options.items())), length=24)
 
 
 def compiled_dir(onnx_path, cache_dir=None, progress: bool = True, **compile_options) -> tuple[Path, bool]:
     """(module directory, whether it was compiled now) for an ONNX file;
     ``compile_options`` go to ``compile_onnx`` (and into the cache key)."""
     from ..compiler.onnx import compile_onnx
+    from .verifier import DeviceVerifier
 
-    key = cache_key(onnx_path, **compile_options)
-    root = Path(cache_dir) if cache_dir else cache_root()
-    out = root / key
+    out = Path(cache_dir or cache.area(AREA)) / cache_key(onnx_path, **compile_options)
     if (out / "metadata.json").is_file():
         return out, False
-    root.mkdir(parents=True, exist_ok=True)
     if progress:
         print(f"dspx: compiling {onnx_path} for the device (once; cached in {out})", file=sys.stderr, flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
-    try:
-        compile_onnx(onnx_path, tmp, progress=progress, **compile_options)
-        try:
-            tmp.rename(out)  # atomic: a concurrent session sees all of it or none
-        except OSError:
-            if not (out / "metadata.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def build(tmp: Path) -> None:
+        with DeviceVerifier() as verifier:  # its device starts only if the module is verified
+            compile_onnx(onnx_path, tmp, progress=progress, **{"verifier": verifier, **compile_options})
+    cache.publish(out, build, complete="metadata.json")  # a concurrent session sees all of it or none
     return out, True
 
 
@@ -94,9 +72,9 @@ class InferenceSession:
 
         if isinstance(path_or_dir, (bytes, bytearray)):  # a serialized model, as onnxruntime also takes
             data = bytes(path_or_dir)
-            root = Path(cache_dir) if cache_dir else cache_root()
+            root = Path(cache_dir or cache.area(AREA))
             root.mkdir(parents=True, exist_ok=True)
-            path_or_dir = root / f"{hashlib.sha256(data).hexdigest()[:24]}.onnx"
+            path_or_dir = root / f"{cache.digest((), data, length=24)}.onnx"
             if not path_or_dir.exists():
                 path_or_dir.write_bytes(data)
         p = Path(path_or_dir)

@@ -46,9 +46,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .llm import ContextFullError, Generator
+if TYPE_CHECKING:
+    from .llm import Generator  # imported where used: the CLI loads this module without the llm extra
 
 __all__ = ["Limits", "LLMService", "create_app", "serve_llm", "uvicorn_config"]
 
@@ -173,7 +174,7 @@ def sampling_params(body: dict) -> dict:
 class LLMService:
     """The device side of the server: one Generator, one worker thread (FIFO)."""
 
-    def __init__(self, generator: Generator, model_name: str = "smollm2-135m-instruct", max_queue: int = 16):
+    def __init__(self, generator: "Generator", model_name: str = "smollm2-135m-instruct", max_queue: int = 16):
         self.gen = generator
         self.model = model_name
         self.created = int(time.time())
@@ -264,15 +265,11 @@ def _prompt(body: dict, chat: bool):
     return prompt
 
 
-def create_app(service: LLMService, api_key: str | None = None, limits: Limits = Limits()):
-    from fastapi import FastAPI, Request
+def _error_handlers(app) -> None:
+    """Every error in OpenAI's JSON shape."""
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response
-    from sse_starlette.sse import EventSourceResponse
+    from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
-    from starlette.requests import ClientDisconnect
-
-    app = FastAPI(title="dspx serve-llm", docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
     async def api_error(_req, e: APIError):
@@ -291,39 +288,54 @@ def create_app(service: LLMService, api_key: str | None = None, limits: Limits =
     async def server_error(_req, e: Exception):  # a bug: still OpenAI's shape, never a plain-text 500
         return JSONResponse(APIError(500, f"{type(e).__name__}: {e}", "server_error").body(), status_code=500)
 
+
+async def _read_body(request, limits: Limits) -> bytes:
+    """The body, refused with 413 as soon as it passes max_body (so it is never held whole)."""
+    from starlette.requests import ClientDisconnect
+
+    def too_large(size: str) -> APIError:
+        return APIError(413, f"the request body is {size} bytes; this server takes at most {limits.max_body} "
+                             f"(--max-body)", code="request_too_large", close=True)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_body:
+        raise too_large(declared)
+    buf = bytearray()
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), limits.idle_timeout)
+        except StopAsyncIteration:
+            return bytes(buf)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"no request body bytes for {limits.idle_timeout} s (--idle-timeout)",
+                           code="request_timeout", close=True) from None
+        except ClientDisconnect:
+            raise APIError(400, "the client disconnected while sending the body", close=True) from None
+        buf += chunk
+        if len(buf) > limits.max_body:
+            raise too_large(f"more than {limits.max_body}")
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client has gone (the body is read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(service: LLMService, api_key: str | None = None, limits: Limits = Limits()):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response
+    from sse_starlette.sse import EventSourceResponse
+
+    from .llm import ContextFullError
+
+    app = FastAPI(title="dspx serve-llm", docs_url=None, redoc_url=None)
+    _error_handlers(app)
+
     def authorize(request: Request) -> None:
         if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
             raise APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the key "
                                 "serve-llm was started with", code="invalid_api_key")
-
-    async def read_body(request: Request) -> bytes:
-        """The body, refused with 413 as soon as it passes max_body (so it is never held whole)."""
-        def too_large(size: str) -> APIError:
-            return APIError(413, f"the request body is {size} bytes; this server takes at most {limits.max_body} "
-                                 f"(--max-body)", code="request_too_large", close=True)
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limits.max_body:
-            raise too_large(declared)
-        buf = bytearray()
-        chunks = request.stream().__aiter__()
-        while True:
-            try:
-                chunk = await asyncio.wait_for(chunks.__anext__(), limits.idle_timeout)
-            except StopAsyncIteration:
-                return bytes(buf)
-            except asyncio.TimeoutError:
-                raise APIError(408, f"no request body bytes for {limits.idle_timeout} s (--idle-timeout)",
-                               code="request_timeout", close=True) from None
-            except ClientDisconnect:
-                raise APIError(400, "the client disconnected while sending the body", close=True) from None
-            buf += chunk
-            if len(buf) > limits.max_body:
-                raise too_large(f"more than {limits.max_body}")
-
-    async def disconnected(request: Request) -> None:
-        """Returns when the client has gone (the body is read: the next message is the disconnect)."""
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -345,7 +357,7 @@ def create_app(service: LLMService, api_key: str | None = None, limits: Limits =
     async def complete(request: Request, chat: bool):
         authorize(request)
         loop = asyncio.get_running_loop()
-        body, params, ids = await loop.run_in_executor(service.prep, prepare, await read_body(request), chat)
+        body, params, ids = await loop.run_in_executor(service.prep, prepare, await _read_body(request, limits), chat)
         stream = bool(body.get("stream", False))
         opts = body.get("stream_options") or {}
         include_usage = bool(opts.get("include_usage")) if isinstance(opts, dict) else False
@@ -359,7 +371,7 @@ def create_app(service: LLMService, api_key: str | None = None, limits: Limits =
             fut = service.submit(service.run, ids, params, None, cancelled.is_set)
 
             async def cancel_when_gone():  # nobody to answer: off the queue, or stopped at the next token
-                await disconnected(request)
+                await _disconnected(request)
                 cancelled.set()
                 fut.cancel()
             watcher = asyncio.create_task(cancel_when_gone())
@@ -519,6 +531,8 @@ def serve_llm(host: str = "127.0.0.1", port: int = 8080, api_key: str | None = N
     """Load the model on the device and serve until interrupted."""
     import uvicorn
 
+    from .llm import Generator
+
     gen = Generator(model_dir=model_dir, gguf=gguf, socket=socket, progress=True, context=context, kv_dtype=kv_dtype)
     gen.llm  # compile (first time) and load before accepting requests
     svc = LLMService(gen, max_queue=max_queue)
@@ -528,70 +542,3 @@ def serve_llm(host: str = "127.0.0.1", port: int = 8080, api_key: str | None = N
     finally:
         svc.close()
         gen.close()
-
-
-def _command():
-    import click
-
-    @click.command("serve-llm")
-    @click.option("--host", default="127.0.0.1", show_default=True,
-                  help="address to bind (localhost only by default; use --api-key before opening it wider)")
-    @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
-    @click.option("--api-key", default=None, envvar="DSPX_API_KEY",
-                  help="require 'Authorization: Bearer KEY' (default: $DSPX_API_KEY, else none)")
-    @click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
-                  help="directory from `dspx compile-llm` (default: compile the GGUF into .cache/dspx/llm once)")
-    @click.option("--gguf", default=None, type=click.Path(dir_okay=False))
-    @click.option("--context", default=None, type=click.IntRange(min=1),
-                  help="context to compile for when --model is not given (default: the most that fits: 256 float32, 512 float16, 1024 int8)")
-    @click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "int8"]))
-    @click.option("--max-queue", default=16, show_default=True, type=click.IntRange(min=0),
-                  help="requests that may wait for the device; more get 503")
-    @click.option("--max-body", default=Limits.max_body, show_default=True, type=click.IntRange(min=1),
-                  help="largest request body in bytes; a larger one gets 413 without being read")
-    @click.option("--header-timeout", default=Limits.header_timeout, show_default=True,
-                  type=click.FloatRange(min=0, min_open=True),
-                  help="seconds a connection gets to send a request's headers; then it is closed")
-    @click.option("--idle-timeout", default=Limits.idle_timeout, show_default=True,
-                  type=click.FloatRange(min=0, min_open=True),
-                  help="seconds of silence allowed between requests (keep-alive) and between body chunks (408)")
-    @click.option("--max-connections", default=Limits.max_connections, show_default=True,
-                  type=click.IntRange(min=1),
-                  help="open connections; a new one past this gets 503 and is closed, the open ones are kept "
-                       "(must fit under `ulimit -n`)")
-    @click.option("--socket", default=None, envvar="DSPX_SOCKET")
-    def serve_llm_cmd(host, port, api_key, model_dir, gguf, context, kv_dtype, max_queue, max_body, header_timeout,
-                      idle_timeout, max_connections, socket):
-        """OpenAI-compatible HTTP API (/v1/models, /v1/chat/completions, /v1/completions) for the device LLM."""
-        import ipaddress
-        import logging
-
-        from ..errors import DspxError
-
-        for mod in ("fastapi", "uvicorn", "sse_starlette"):
-            try:
-                __import__(mod)
-            except ImportError:
-                raise DspxError(f"dspx serve-llm needs the 'serve' extra ({mod} is not installed): "
-                                f"pip install 'dspx[serve,llm]'") from None
-        try:
-            loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback and api_key is None:
-            logging.getLogger("dspx").warning("serve-llm listens on %s without --api-key: anyone who can reach "
-                                              "it can use the device", host)
-        if context is None:
-            from ..abi.llmpack import DEFAULT_CONTEXT
-            context = DEFAULT_CONTEXT[kv_dtype]
-        click.echo(f"serving the device LLM on http://{host}:{port}/v1 (OpenAI API"
-                   f"{', API key required' if api_key else ''}); Ctrl-C stops", err=True)
-        limits = Limits(max_body=max_body, header_timeout=header_timeout, idle_timeout=idle_timeout,
-                        max_connections=max_connections)
-        serve_llm(host, port, api_key, model_dir=model_dir, gguf=gguf, socket=socket, context=context,
-                  kv_dtype=kv_dtype, max_queue=max_queue, limits=limits, log_level="warning")
-
-    return serve_llm_cmd
-
-
-command = _command()

@@ -8,13 +8,12 @@
   ``-O2 -fPIC -shared`` plus the SDK flags.  Compiler errors come back as
   they are, in ``BuildError``.
 * ``build_cached(...)`` builds the device's own C (the runtime shim, the
-  firmware softmax) once into ``${XDG_CACHE_HOME:-~/.cache}/dspx/sdk/dsp-<hash>/``,
-  never into the package tree.
+  firmware softmax) once into the cache area "sdk" (``dspx.cache``:
+  ``<cache>/sdk/dsp-<hash>/``), never into the package tree.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import subprocess
 import sys
@@ -110,11 +109,6 @@ def build_ops(sources: Sequence[str | Path], output: str | Path, extra_flags: It
 
 # ------------------------------------------------------------------ cached device builds
 
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dspx" / "sdk"
-
-
 @functools.lru_cache(maxsize=None)
 def _compiler_id(cc: str) -> str:
     try:
@@ -133,36 +127,26 @@ def _cpu_id() -> str:
     return "".join(line for line in first.splitlines() if line.startswith(("model name", "flags")))
 
 
-def _headers_digest(h) -> None:
-    for p in sorted((INCLUDE_DIR / "dspx").rglob("*")):
-        if p.is_file():
-            h.update(p.name.encode())
-            h.update(p.read_bytes())
-
-
 def build_cached(name: str, sources: Sequence[Path], flags: Sequence[str] = (), *, sdk: bool = True) -> Path:
     """``name`` built from ``sources`` into the cache (once per content,
     compiler and flags).  ``sdk``: build as an op library (build_ops);
     otherwise as a plain shared object with ``flags``."""
-    h = hashlib.sha256()
-    _headers_digest(h)
-    for s in sources:
-        h.update(s.name.encode())
-        h.update(s.read_bytes())
-    h.update(repr((list(flags), sdk, BASE_FLAGS, SDK_FLAGS, LINK_FLAGS, CXX_FLAGS)).encode())
-    h.update(_compiler_id(_cc()).encode())
-    h.update(_compiler_id(_cxx()).encode())
-    h.update(_cpu_id().encode())  # -march=native: a cache shared across hosts must not mix CPUs
-    out = cache_root() / f"dsp-{h.hexdigest()[:16]}" / name
-    if out.is_file():
-        return out
-    if sdk:
-        return build_ops(sources, out, flags, echo=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{name}.{os.getpid()}.tmp")
-    _run([_cc(), *BASE_FLAGS, *flags, cflags(), *map(str, sources), "-o", str(tmp)])
-    os.replace(tmp, out)
-    return out
+    from .. import cache
+
+    files = [*(p for p in sorted((INCLUDE_DIR / "dspx").rglob("*")) if p.is_file()), *sources]
+    key = cache.digest(files, *(p.name for p in files),
+                       repr((list(flags), sdk, BASE_FLAGS, SDK_FLAGS, LINK_FLAGS, CXX_FLAGS)),
+                       _compiler_id(_cc()), _compiler_id(_cxx()),
+                       _cpu_id())  # -march=native: a cache shared across hosts must not mix CPUs
+
+    def build(d: Path) -> None:
+        if sdk:
+            build_ops(sources, d / name, flags, echo=False)
+        else:
+            _run([_cc(), *BASE_FLAGS, *flags, cflags(), *map(str, sources), "-o", str(d / name)])
+    out = cache.area("sdk") / f"dsp-{key}"
+    cache.publish(out, build, complete=name)
+    return out / name
 
 
 def runtime_shim() -> Path:

@@ -123,12 +123,12 @@ def _without_io_meta(so: bytes) -> bytes:
 # ---------------------------------------------------------------- a module with large outputs
 
 @pytest.fixture(scope="module")
-def wide(tmp_path_factory, compiled):  # `compiled` first: it owns the TVM import
+def wide(tmp_path_factory, compiled, device_verifier):  # `compiled` first: it owns the TVM import
     from dspx.compiler import examples
     from dspx.compiler.onnx import compile_onnx
 
     d = tmp_path_factory.mktemp("wide")
-    compile_onnx(examples.wide(d / "wide.onnx"), d / "out", kernels=False, progress=False)
+    compile_onnx(examples.wide(d / "wide.onnx"), d / "out", kernels=False, progress=False, verifier=device_verifier)
     return d / "out"
 
 

@@ -134,9 +134,9 @@ def _model(path):
 
 @pytest.fixture(scope="module")
 def verifier():
-    from dspx.compiler.verify import Verifier
+    from dspx.host.verifier import DeviceVerifier
 
-    with Verifier() as v:
+    with DeviceVerifier() as v:
         yield v
 
 

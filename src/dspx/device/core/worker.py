@@ -535,9 +535,9 @@ def _read_paths() -> list[str]:
     the system's libraries and configuration (dlopen, ld.so.cache), /proc,
     /sys and /dev (its own /proc/self, CPU topology for thread pools,
     /dev/urandom), and the SDK's cache (kernel libraries built at start)."""
-    from ... import sdk
+    from ... import cache
     paths = ["/usr", "/lib", "/lib64", "/etc", "/proc", "/sys", "/dev", sys.prefix, sys.base_prefix,
-             sys.exec_prefix, str(sdk.cache_root())]
+             sys.exec_prefix, str(cache.area("sdk"))]
     paths += [os.path.realpath(p or ".") for p in sys.path]
     return sorted(set(paths))
 

@@ -2,22 +2,22 @@
 
 ``build()`` generates ``dspx_wire.h`` from the Python protocol table,
 compiles ``libdspx.so`` (C11, libc only) and ``libdspx++.so`` (the C++
-``c7x::Module``, C++17) with the system compilers into
-``${XDG_CACHE_HOME:-~/.cache}/dspx/sdk/<hash of the sources>/`` (never into
-the package tree), builds the ``c7x_compute`` CLI on them, writes ``dspx.pc``
-beside them and returns that directory.
+``c7x::Module``, C++17) with the system compilers into the cache area "sdk"
+(``dspx.cache``: ``$DSPX_CACHE/sdk/<hash of the sources>/``, else under
+``$XDG_CACHE_HOME/dspx`` or ``~/.cache/dspx``; never into the package
+tree), builds the ``c7x_compute`` CLI on them, writes ``dspx.pc`` beside
+them and returns that directory.
 It is idempotent and rebuilds when any source changes.  ``cflags()`` and
 ``libs()`` say what a program needs to build against it.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
+from .. import cache
 from . import gen_wire
 
 HERE = Path(__file__).resolve().parent
@@ -57,25 +57,15 @@ def sources() -> list[Path]:
 
 
 def digest() -> str:
-    h = hashlib.sha256()
-    for p in sources():
-        h.update(str(p.relative_to(HERE.parent.parent)).encode() if p.is_relative_to(HERE.parent.parent)
-                 else p.name.encode())
-        h.update(b"\0")
-        h.update(p.read_bytes())
-    h.update(_compiler_id(_cc()))
-    h.update(_compiler_id(_cxx()))
-    h.update(" ".join(LIB_CFLAGS).encode())
-    return h.hexdigest()[:16]
-
-
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dspx" / "sdk"
+    files = sources()
+    names = [str(p.relative_to(HERE.parent.parent)) if p.is_relative_to(HERE.parent.parent) else p.name
+             for p in files]
+    return cache.digest(files, *names, _compiler_id(_cc()), _compiler_id(_cxx()), " ".join(LIB_CFLAGS))
 
 
 def build_dir() -> Path:
-    return cache_root() / digest()
+    """Where this build of the sources lives: the cache area "sdk" (never the package tree)."""
+    return cache.area("sdk") / digest()
 
 
 def _run(cmd: list[str], cwd: Path) -> None:
@@ -93,47 +83,38 @@ def build(force: bool = False) -> Path:
     """Build libdspx (if needed) and return the directory holding libdspx.so,
     libdspx++.so, include/dspx_wire.h, dspx.pc and the c7x_compute CLI."""
     out = build_dir()
-    stamp = out / ".built"
-    if stamp.exists() and not force:
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
-    try:
-        inc = tmp / "include"
-        gen_wire.write(inc / "dspx_wire.h")
-        incs = [f"-I{inc}", f"-I{INCLUDE}", f"-I{HOST}"]
-        objs_c, objs_cc = [], []
-        for src in sorted(HOST.glob("*.c")):
-            obj = tmp / (src.stem + ".o")
-            _run([_cc(), "-std=c11", *LIB_CFLAGS, *incs, "-c", str(src), "-o", str(obj)], tmp)
-            objs_c.append(str(obj))
-        for src in sorted(HOST.glob("*.cc")):
-            obj = tmp / (src.stem + ".o")
-            _run([_cxx(), "-std=c++17", *LIB_CFLAGS, *incs, "-c", str(src), "-o", str(obj)], tmp)
-            objs_cc.append(str(obj))
-        _run([_cc(), "-shared", "-pthread", "-o", str(tmp / "libdspx.so"), *objs_c,
-              "-Wl,-soname,libdspx.so", "-Wl,--no-undefined", "-Wl,-z,defs"], tmp)
-        _run([_cxx(), "-shared", "-pthread", "-o", str(tmp / "libdspx++.so"), *objs_cc,
-              "-Wl,-soname,libdspx++.so", "-Wl,--no-undefined", "-Wl,-rpath,$ORIGIN", f"-L{tmp}", "-ldspx"], tmp)
-        # c7x_compute, the TI-shaped CLI, built on the libraries like any user program
-        for src in sorted((HOST / "cli").glob("*.cc")):
-            _run([_cxx(), "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{inc}", f"-I{INCLUDE}", str(src),
-                  "-o", str(tmp / src.stem), f"-L{tmp}", f"-Wl,-rpath,{out}", "-ldspx++", "-ldspx"], tmp)
-        for o in objs_c + objs_cc:
-            os.unlink(o)
-        (tmp / "dspx.pc").write_text(_pkgconfig(out))
-        (tmp / ".built").write_text("ok\n")
-        if out.exists() and force:
-            shutil.rmtree(out, ignore_errors=True)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process built it meanwhile
-            if not (out / ".built").exists():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    if force:
+        shutil.rmtree(out, ignore_errors=True)
+    cache.publish(out, lambda tmp: _build_into(tmp, out), complete=".built")
     return out
+
+
+def _build_into(tmp: Path, out: Path) -> None:
+    """Compile everything into ``tmp``, for its final place ``out`` (rpath, dspx.pc)."""
+    inc = tmp / "include"
+    gen_wire.write(inc / "dspx_wire.h")
+    incs = [f"-I{inc}", f"-I{INCLUDE}", f"-I{HOST}"]
+    objs_c, objs_cc = [], []
+    for src in sorted(HOST.glob("*.c")):
+        obj = tmp / (src.stem + ".o")
+        _run([_cc(), "-std=c11", *LIB_CFLAGS, *incs, "-c", str(src), "-o", str(obj)], tmp)
+        objs_c.append(str(obj))
+    for src in sorted(HOST.glob("*.cc")):
+        obj = tmp / (src.stem + ".o")
+        _run([_cxx(), "-std=c++17", *LIB_CFLAGS, *incs, "-c", str(src), "-o", str(obj)], tmp)
+        objs_cc.append(str(obj))
+    _run([_cc(), "-shared", "-pthread", "-o", str(tmp / "libdspx.so"), *objs_c,
+          "-Wl,-soname,libdspx.so", "-Wl,--no-undefined", "-Wl,-z,defs"], tmp)
+    _run([_cxx(), "-shared", "-pthread", "-o", str(tmp / "libdspx++.so"), *objs_cc,
+          "-Wl,-soname,libdspx++.so", "-Wl,--no-undefined", "-Wl,-rpath,$ORIGIN", f"-L{tmp}", "-ldspx"], tmp)
+    # c7x_compute, the TI-shaped CLI, built on the libraries like any user program
+    for src in sorted((HOST / "cli").glob("*.cc")):
+        _run([_cxx(), "-std=c++17", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{inc}", f"-I{INCLUDE}", str(src),
+              "-o", str(tmp / src.stem), f"-L{tmp}", f"-Wl,-rpath,{out}", "-ldspx++", "-ldspx"], tmp)
+    for o in objs_c + objs_cc:
+        os.unlink(o)
+    (tmp / "dspx.pc").write_text(_pkgconfig(out))
+    (tmp / ".built").write_text("ok\n")
 
 
 def _pkgconfig(libdir: Path) -> str:

@@ -25,7 +25,7 @@ def _percentile(sorted_values, q: float):
 def _read_inputs(specs, given, shapes, dtypes):
     """(positional arrays, named arrays) from ``--input [NAME=]FILE`` values."""
     from ..errors import InputError
-    from .vm import load_input
+    from ..host.vm import load_input
 
     names = {s.name: s for s in specs}
     args, named, raw = [], {}, 0
@@ -75,8 +75,8 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
     """Run a compiled MODULE (dir or .so) on the device once (or --repeat N
     times) and report its outputs and the device time."""
     from .. import fmt
-    from .vm import VirtualMachine, find_module
-    from .inputs import bind, specs as input_specs
+    from ..host.vm import VirtualMachine, find_module
+    from ..host.inputs import bind, specs as input_specs
 
     _, meta = find_module(module)
     specs = input_specs(meta)
@@ -84,7 +84,7 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
     if specs:  # checked before a device is even opened (the call binds them again: cheap)
         args, named = bind(specs, args, named, meta.get("entry", "main")), {}
     if trace_path:
-        from . import tracing
+        from ..host import tracing
         tracing.start_host(trace_path)  # before the device starts: a private one inherits DSPX_TRACE
     report = None
     with VirtualMachine(module, socket=socket) as vm:
@@ -111,7 +111,7 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
                 np.array(outs[0]).tofile(output)
         cycles = vm.last_cycles
         if do_profile:
-            from .profile import profile
+            from ..host.profile import profile
             report = profile(vm, *args, runs=max(1, repeat), **named)
     if trace_path:
         click.echo(f"trace: {tracing.finish()}", err=True)

@@ -1,9 +1,10 @@
-"""``dspx compile MODEL.onnx -o OUTDIR``: the compiler's CLI command (added to
-the main group in dspx.cli).  Progress goes to stderr, the summary to stdout."""
+"""``dspx compile MODEL.onnx -o OUTDIR``: the compiler, with the module
+verified on a private device.  Progress goes to stderr, the summary to stdout
+(a CompileError ends as the group's one error line or JSON object, with its
+operators and node)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -53,21 +54,15 @@ def compile_cmd(model, outdir, separate_weights, no_kernels, op_by_op, target, w
 
     The compiled module is run once on a private device against a reference
     before the command succeeds (--no-verify skips it)."""
-    from dspx.compiler.checks import parse_dims, parse_shapes
-    from dspx.compiler.onnx import CompileError, compile_onnx
+    from ..compiler.checks import parse_dims, parse_shapes
+    from ..compiler.onnx import compile_onnx
+    from ..host.verifier import DeviceVerifier
 
-    try:
-        meta = compile_onnx(model, outdir, separate_weights=separate_weights, kernels=not no_kernels, subgraph=False if op_by_op else None,
-                            target=target, verify=not no_verify, shapes=parse_shapes(shapes),
-                            dims=parse_dims(dims), weights=weights, progress=not as_json, quantize=quantize,
-                            calibrate=calibrate)
-    except CompileError as e:
-        if as_json:
-            click.echo(json.dumps({"status": "error", "error": "CompileError", "message": str(e),
-                                   "operators": e.operators, "node": e.node}))
-        else:
-            click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+    with DeviceVerifier() as verifier:  # its device starts only if the module is verified
+        meta = compile_onnx(model, outdir, separate_weights=separate_weights, kernels=not no_kernels,
+                            subgraph=False if op_by_op else None, target=target, verify=not no_verify,
+                            verifier=verifier, shapes=parse_shapes(shapes), dims=parse_dims(dims), weights=weights,
+                            progress=not as_json, quantize=quantize, calibrate=calibrate)
     if as_json:
         click.echo(json.dumps({"status": "ok", "outdir": str(outdir), **meta}))
         return
@@ -115,5 +110,3 @@ def _verified(v) -> str:
                                                     for k, d in e32.items())
     return text
 
-
-compile = compile_cmd  # the name dspx.cli looks up  # noqa: A001

@@ -1,10 +1,7 @@
-"""``dspx info PATH`` (what a compiled module, an LLM package or a GGUF holds)
-and ``dspx devices`` (the devices this user can reach)."""
+"""``dspx info PATH``: what a compiled module, an LLM package or a GGUF holds."""
 from __future__ import annotations
 
-import glob
 import json
-import os
 from pathlib import Path
 
 import click
@@ -131,7 +128,7 @@ def describe(path) -> dict:
     if p.is_file() and "modules" in meta:  # one module of an LLM package: its own part of the metadata
         mine = [m for m in meta["modules"].values() if m.get("module") == p.name]
         return module_info(p, mine[0] if mine else {})
-    from .vm import find_module
+    from ..host.vm import find_module
     so, meta = find_module(p)
     return module_info(so, meta)
 
@@ -214,67 +211,3 @@ def info(path, as_json):
         click.echo(json.dumps({"status": "ok", **facts}))
     else:
         click.echo("\n".join(_human(facts)))
-
-
-# ---------------------------------------------------------------- devices
-def candidate_sockets() -> list[tuple[str, str]]:
-    """(path, how it was found): $DSPX_SOCKET, the per-user default, and any
-    other socket in the per-user directory."""
-    found, seen = [], set()
-
-    def add(path, why):
-        if path and path not in seen:
-            seen.add(path)
-            found.append((path, why))
-
-    add(os.environ.get("DSPX_SOCKET"), "$DSPX_SOCKET")
-    # the per-user default as transport.default_socket_path computes it without $DSPX_SOCKET
-    default = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"dspx-{os.getuid()}", "dsp0.sock")
-    add(default, "default")
-    for p in sorted(glob.glob(os.path.join(os.path.dirname(default), "*.sock"))):
-        add(p, "per-user directory")
-    return found
-
-
-def probe(path: str, why: str) -> dict:
-    from ..transport import is_listening
-
-    d = {"socket": path, "found_by": why}
-    if not os.path.exists(path):
-        return {**d, "state": "absent"}
-    if not is_listening(path):
-        return {**d, "state": "stale", "note": "a socket file no device listens on (left by a device that died)"}
-    from .client import Client
-    try:
-        with Client(path, staging_size=0, printf_size=0, timeout=5) as c:
-            st, pools = c.status(), c.pools()
-    except DspxError as e:
-        return {**d, "state": "unreachable", "error": str(e)}
-    return {**d, "state": "running", "version": st["version"], "uptime_ms": st["uptime_ms"],
-            "cores": pools.get("cores"), "connections": pools.get("connections", 1) - 1,
-            "carveout_total": pools.get("carveout_total"), "carveout_used": pools.get("carveout_used"),
-            "ddr_total": pools.get("ddr_total"), "ddr_used": pools.get("ddr_used")}
-
-
-@click.command("devices")
-@click.option("--json", "as_json", is_flag=True, help="one JSON object instead of text")
-def devices(as_json):
-    """List the devices this user can reach: $DSPX_SOCKET, the per-user
-    default socket and any other socket beside it (stale socket files are
-    named as such), each with its version, cores, uptime and memory."""
-    found = [d for d in (probe(p, why) for p, why in candidate_sockets())
-             if d["state"] != "absent" or d["found_by"] == "$DSPX_SOCKET"]
-    if as_json:
-        click.echo(json.dumps({"status": "ok", "devices": found}))
-        return
-    if not found:
-        click.echo("no device is running (every command starts a private one; `dspx serve` runs one that stays)")
-    for d in found:
-        if d["state"] == "running":
-            click.echo(f"{d['socket']}  device {d['version']}, {d['cores']} core(s), up "
-                       f"{d['uptime_ms'] / 1000:.1f} s, carveout {fmt.size(d['carveout_used'])} / "
-                       f"{fmt.size(d['carveout_total'])}, DDR {fmt.size(d['ddr_used'])} / "
-                       f"{fmt.size(d['ddr_total'])}, {d['connections']} other connection(s)  [{d['found_by']}]")
-        else:
-            click.echo(f"{d['socket']}  {d['state']}: {d.get('note') or d.get('error') or 'no such file'}  "
-                       f"[{d['found_by']}]")

@@ -1,0 +1,4 @@
+"""``python -m dspx.cli``: the ``dspx`` command."""
+from . import main
+
+main()
