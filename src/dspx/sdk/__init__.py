@@ -21,6 +21,8 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from .. import cache
+
 HERE = Path(__file__).resolve().parent
 INCLUDE_DIR = HERE / "include"
 DSP_DIR = HERE / "dsp"
@@ -131,7 +133,6 @@ def build_cached(name: str, sources: Sequence[Path], flags: Sequence[str] = (), 
     """``name`` built from ``sources`` into the cache (once per content,
     compiler and flags).  ``sdk``: build as an op library (build_ops);
     otherwise as a plain shared object with ``flags``."""
-    from .. import cache
 
     files = [*(p for p in sorted((INCLUDE_DIR / "dspx").rglob("*")) if p.is_file()), *sources]
     key = cache.digest(files, *(p.name for p in files),
@@ -154,7 +155,7 @@ def runtime_shim() -> Path:
     codes from the generated dspx_wire.h), built once."""
     from . import gen_wire
 
-    wire = gen_wire.include_dir(cache_root())
+    wire = gen_wire.include_dir(cache.area("sdk"))
     return build_cached("libdspx_dsp_rt.so", [DSP_DIR / "runtime.c"],
                         ["-Wall", "-Wextra", "-Werror", "-fvisibility=hidden", "-pthread", "-ldl", f"-I{wire}"],
                         sdk=False)
