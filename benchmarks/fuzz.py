@@ -19,7 +19,7 @@ writes benchmarks/results/fuzz.json: messages sent, responses by status,
 malformed responses, hangs, crashes, core restarts, and the device's memory
 figures (POOL_STATUS; fds and RSS of the front and of each core, cold, after
 ``--warmup`` messages and at the end).  Exit status 1 if
-anything was wrong.  See docs/reliability.md.
+anything was wrong.  See docs/testing.md.
 
 ``--core-channel N`` fuzzes the other direction: a real front whose cores
 are fakes that write N mutated records (tests/fuzz/core_channel.py).

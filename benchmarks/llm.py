@@ -50,7 +50,7 @@ import tempfile
 import time
 
 # The numpy reference decodes with 1 BLAS thread: with 2, OpenBLAS spin-waits
-# whenever the other CPU is busy and runs ~5x slower (docs/llm.md).
+# whenever the other CPU is busy and runs ~5x slower (docs/history.md).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

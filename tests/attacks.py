@@ -1,6 +1,6 @@
 """Hostile native code, run from each place a client's code runs on a core.
 
-The trust boundary (SPEC §12, docs/reliability.md §5c) holds for code a
+The trust boundary (SPEC §12, docs/containment.md) holds for code a
 client brings in three places, and an attack is tested from each:
 
 * ``handler``: a C op library's operator, in the core, during an RPC;

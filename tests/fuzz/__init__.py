@@ -1,4 +1,4 @@
-"""Structure-aware fuzzing of the device service (docs/reliability.md).
+"""Structure-aware fuzzing of the device service (docs/testing.md).
 
 ``tests.fuzz.fuzzer`` is the library (used by the short pytest run in
 ``tests/fuzz/test_fuzz.py`` and by the long run ``benchmarks/fuzz.py``).

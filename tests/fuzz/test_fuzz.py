@@ -1,5 +1,5 @@
 """Short structure-aware fuzz run (part of `make test`); the long run is
-`python benchmarks/fuzz.py --messages 1000000` (docs/reliability.md)."""
+`python benchmarks/fuzz.py --messages 1000000` (docs/testing.md)."""
 import struct
 import time
 

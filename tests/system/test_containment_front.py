@@ -1,4 +1,4 @@
-"""The front confines itself (issue 31, docs/reliability.md §5c "The front's
+"""The front confines itself (issue 31, docs/containment.md "The front's
 own confinement"): it is non-dumpable, runs under its own seccomp filter
 once started (no execve, no new sockets), and its cores are started and
 restarted by the core spawner (device/front/spawner.py)."""

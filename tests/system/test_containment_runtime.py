@@ -1,5 +1,5 @@
 """The runtime checks itself after user code, and attach checks what a core
-will do with a buffer (issue 31, findings 5 and 6; docs/reliability.md §5c).
+will do with a buffer (issue 31, findings 5 and 6; docs/containment.md).
 
 A C handler gets an opaque tile-manager handle, not the shim's context: a
 handler that finds the context anyway (by scanning its memory, as a real

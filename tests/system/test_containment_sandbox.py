@@ -2,7 +2,7 @@
 
 Every attack runs from each place a client's code runs (tests/attacks.py:
 an operator, a library's init, a module's constructor) against a real
-device.  docs/reliability.md §5c "What each filter allows, and why" states
+device.  docs/containment.md "The seccomp filters" states
 the rules these tests hold it to."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 carveout window, the DDR pool and the connections are counted over every
 connection of one peer process (SO_PEERCRED pid), so a second connection or a
 second load of the same model takes nothing more from another process.
-docs/reliability.md §5c "Shares per client process" states the defaults."""
+docs/reliability.md §6 "Shares per client process" states the defaults."""
 from __future__ import annotations
 
 import re

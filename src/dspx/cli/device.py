@@ -36,7 +36,7 @@ def _size_option(name, default, what):
 @click.option("--threads", default=0, type=click.IntRange(min=0), help="threads per core (default: cpus / cores)")
 @click.option("--job-timeout", default=DEFAULT_JOB_TIMEOUT_S, show_default=True, type=click.FloatRange(min=0),
               help="seconds a task or inference may run before it is stopped (0: no limit; a task's own "
-                   "timeout_ms wins; the default is far above any legitimate call, docs/reliability.md §5c)")
+                   "timeout_ms wins; the default is far above any legitimate call, docs/reliability.md §6)")
 @click.option("--conn-memory", default=None,
               help="window bytes one connection may attach (64M, 1G; default: 3/4 of the window)")
 def serve(socket, carveout_size, ddr_pool_size, cores, threads, job_timeout, conn_memory):

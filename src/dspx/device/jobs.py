@@ -208,7 +208,7 @@ class Switched:
     """The core took its ``count``-th owner switch (a job with ``drop_bufs``),
     before any code of the new owner runs.  A Deliver for a connection the
     switch dropped is that connection's own late answer until this arrives,
-    and a forgery after it (front/loop.py _core_deliver)."""
+    and a forgery after it (front/supervisor.py CoreSupervisor.deliver)."""
     count: int
 
 

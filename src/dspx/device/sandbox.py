@@ -20,7 +20,7 @@ not be on every machine that runs the device):
   only read-only, no mkdir/unlink/rename …), no sockets, no fork (clone
   only with CLONE_THREAD), signals only to itself — EPERM, so Python code
   gets an OSError; exec, ptrace and the administrative calls
-  end the core (CORE_KILL).  docs/reliability.md §5b says what it allows,
+  end the core (CORE_KILL).  docs/containment.md says what it allows,
   why, and what it does not stop.
 * ``install_zygote()`` — in the core's probe zygote (probe.Zygote), which
   forks the probes: the core's list, plus fork, wait4, alarm and SIGKILL to
@@ -31,7 +31,7 @@ not be on every machine that runs the device):
 
 Before the filters: ``drop_privileges()`` (no capability, even under uid 0;
 non-dumpable) and ``landlock()`` (reads beneath given trees only, no writes,
-no signals outside).  docs/reliability.md §5c lists what each allows and why.
+no signals outside).  docs/containment.md, "The seccomp filters", lists what each allows and why.
 
 The filters are inherited by every thread and child and cannot be removed.
 """
@@ -101,7 +101,7 @@ NR = dict(read=0, write=1, open=2, close=3, stat=4, fstat=5, lstat=6, poll=7, ls
 # Everything a core does after its start-up, collected with strace -f -c over
 # the device tests (inference with TVM, onnxruntime and torch kernels, RPC,
 # Python and native op libraries, the LLM, the load probe, restarts) and
-# checked with DSPX_SANDBOX=log (docs/reliability.md §5b).  Grouped by why.
+# checked with DSPX_SANDBOX=log (docs/containment.md).  Grouped by why.
 CORE_ALLOW = (
     # the hot path first (the filter is a linear scan): thread pools, the
     # front's channel and the clients' sockets (existing ones only), memory

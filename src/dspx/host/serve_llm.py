@@ -21,8 +21,8 @@ the new turn).  The model name in a request is not checked: existing clients
 send their own.  Binds 127.0.0.1 unless told otherwise; ``--api-key`` (or
 ``$DSPX_API_KEY``) requires ``Authorization: Bearer <key>``.
 
-What one client may cost the server is bounded (``Limits``; docs/reliability.md
-§5c "serve-llm's limits"): a body over ``max_body`` gets 413 as soon as it
+What one client may cost the server is bounded (``Limits``; docs/serve-llm.md,
+"Limits"): a body over ``max_body`` gets 413 as soon as it
 passes the limit (it is never buffered whole); JSON parsing, the chat template
 and tokenization run on a worker thread, not the event loop; a connection
 gets ``header_timeout`` to send its request headers and ``idle_timeout`` of

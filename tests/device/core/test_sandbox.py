@@ -1,8 +1,8 @@
 """The core's sandbox (device/sandbox.py): what code running in a core
 can reach.  A core holds the buffers of the connection it serves only; its
 seccomp allow-list refuses new files, sockets and exec to whatever runs in
-it, op library code past the import check included.  docs/reliability.md
-§5b states the rules."""
+it, op library code past the import check included.  docs/containment.md
+states the rules."""
 from __future__ import annotations
 
 import os

@@ -48,7 +48,7 @@ class Dims:
 
 
 KV_DTYPES = {"float32": 4, "float16": 2, "int8": 1}  # KV cache element type -> bytes
-# How a KV tensor's bytes are arranged (docs/llm.md, "KV layout"): "blocked" (16-position
+# How a KV tensor's bytes are arranged (docs/llm-internals.md, "The KV layout"): "blocked" (16-position
 # blocks, K transposed within a block) or "rows" (one row per position, the earlier layout,
 # kept for A/B: compile_llm(kv_layout="rows"), DSPX_LLM_KV_LAYOUT=rows).
 KV_LAYOUTS = ("blocked", "rows")

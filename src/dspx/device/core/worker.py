@@ -424,7 +424,7 @@ class CoreWorker:
         if self.index == 0:
             # One line per device start (core 0's, at every log level), saying what holds its cores.
             in_force.insert(1, f"uid {os.getuid()} as the front (no separate uid or user namespace: "
-                               f"docs/reliability.md §5c)")
+                               f"docs/containment.md)")
             os.write(2, f"dspx-core 0: containment of cores and probes: {'; '.join(in_force)}\n".encode())
 
     def serve(self) -> None:

@@ -34,7 +34,7 @@ MAX_SENT = 4096
 # the CPU from the next call of another core or device (a 37-token LLM
 # prefill right after another device's work: 271 against 468 tok/s).  5,000
 # keeps them awake across the gaps inside a call and between decode steps
-# (docs/llm.md, session 5).  The caller's own value wins.
+# (docs/llm-internals.md, "TVM's pool spin").  The caller's own value wins.
 TVM_SPIN_COUNT = 5000
 
 

@@ -2,7 +2,7 @@
 check every record they send, restart one that dies or misbehaves.
 
 A core runs client code, so each record it sends is checked like a client's
-message (docs/reliability.md §5c): one that does not decode, comes with file
+message (docs/containment.md, "The front trusts nothing a core sends"): one that does not decode, comes with file
 descriptors, names a job or a connection that is not this core's, or
 acknowledges an owner switch out of turn, restarts the core (its running
 job fails with ERR_CALL).  After a restart the core gets back, under the

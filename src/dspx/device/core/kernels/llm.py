@@ -2,7 +2,7 @@
 decode attention and the KV update.
 
 The SmolLM2 device model does not call these: its kernels are scheduled TIR
-inside the modules (docs/llm.md); these serve modules compiled from ONNX
+inside the modules (docs/llm-internals.md); these serve modules compiled from ONNX
 graphs that use the ops.
 """
 
