@@ -265,10 +265,18 @@ def test_dma_copies_are_on_the_channels_timelines(board):
 
 
 def test_the_core_takes_its_profile_once_from_the_environment(monkeypatch):
-    from dspx.device.core import rpc
+    """worker.main reads DSPX_COST_MODEL once (costmodel.from_env) and the
+    worker hands the profile to its runtime."""
+    import socket
+
+    from dspx.device.core.worker import CoreWorker
+    from dspx.transport import Endpoint
     monkeypatch.setenv(costmodel.ENV, "j6-vision")
-    core_ops = rpc.CoreOps(0, cost=costmodel.from_env())
+    a, b = socket.socketpair()
+    w = CoreWorker(Endpoint(a), index=0, threads=1, cost=costmodel.from_env())
     try:
-        assert core_ops.rt.cost.name == "j6-vision" and core_ops.rt.clock is not None
+        assert w.ops.rt.cost.name == "j6-vision" and w.ops.rt.clock is not None
     finally:
-        core_ops.rt.close()
+        w.ops.rt.close()
+        a.close()
+        b.close()
