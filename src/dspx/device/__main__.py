@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import memory, trace
+from .. import costmodel, memory, trace
 from ..abi.protocol import DEFAULT_JOB_TIMEOUT_S
 from ..transport import TransportError, default_socket_path
 from .front.loop import Service
@@ -36,6 +36,12 @@ def main(argv=None) -> int:
     trace.start_from_env("device front", 1, "front loop")  # DSPX_TRACE: the front's timeline (docs/profiling.md)
     if a.cores < 1:
         ap.error("--cores must be at least 1")
+    try:
+        # $DSPX_COST_MODEL checked once here; a user's file is passed to the cores as its JSON text
+        costmodel.resolve_env()
+    except costmodel.ProfileError as e:
+        print(f"dspx-device: {e}", file=sys.stderr, flush=True)
+        return 2
     from ..log import printer  # the host's logging setup; the level from $DSPX_LOG_LEVEL (dspx -v / --log-level)
     log = (lambda *m: None) if a.quiet else printer()
     try:

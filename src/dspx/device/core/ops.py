@@ -70,6 +70,7 @@ class OpResult(NamedTuple):
     return_value: int
     cycles: int
     printf: str
+    cost: dict | None = None  # the timing model's record of the call (runtime.TaskContext.end_cost), or None
 
 
 class _Library:
@@ -327,7 +328,8 @@ class OpRegistry:
                 status = e.status if isinstance(getattr(e, "status", None), Status) else Status.ERR_CALL
                 tb = clip("".join(traceback.format_exception(type(e), e, e.__traceback__.tb_next)), 4 * MAX_TEXT)
                 task.write(f"[dspx] op 0x{cmd:x} ({op.name}) raised:\n{tb}")
-            elapsed = (runtime.cycles() - start) & ((1 << 64) - 1)
+            record = task.end_cost()  # under a cost model the call's modeled cycles, overhead included
+            elapsed = record["cycles"] if record is not None else (runtime.cycles() - start) & ((1 << 64) - 1)
         for note in task.core.settle():
             task.write(note + "\n")
         broken = task.core.dma.broken()
@@ -341,4 +343,4 @@ class OpRegistry:
                 status = Status.ERR_CALL
                 task.write(f"[dspx] op 0x{cmd:x} ({op.name}) returned {int(rv)}, which does not fit int32\n")
         return_value = int(rv) if status == Status.SUCCESS else int(status)
-        return OpResult(int(status), return_value, elapsed, task.printf_text())
+        return OpResult(int(status), return_value, elapsed, task.printf_text(), record)

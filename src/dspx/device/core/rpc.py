@@ -14,9 +14,10 @@ from .prepared import Outcome
 
 
 class CoreOps:
-    def __init__(self, index: int, fault_injection: bool = False):
+    def __init__(self, index: int, fault_injection: bool = False, cost=None):
         self.index = index
         self.rt = runtime.CoreRuntime(l2_size=memory.L2_SIZE)
+        self.rt.configure_cost(cost)  # a costmodel.Profile counts every Python task; None: off
         self.registry = ops.OpRegistry()
         builtin_ops.register(self.registry)
         if fault_injection:

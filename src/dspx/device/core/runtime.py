@@ -17,6 +17,35 @@ numpy, math and this module, and from this module only the names in
 The device core owns one ``CoreRuntime`` (L2, tile manager, DMA engine) and runs each
 task inside ``activate(TaskContext(space, core))``; the per-task APIs above read the
 active task from a context variable.
+
+The timing model (``dspx.costmodel``, docs/cost-model.md).  A core started
+with ``DSPX_COST_MODEL`` set has a profile (``CoreRuntime.configure_cost``);
+then each task counts on the core's ``CostClock`` and ``cycles()`` returns
+the modeled clock (cycles since the call began, its overhead included)
+instead of the host's.  What a Python operator is counted for:
+
+* ``dma.copy`` (and ``ping_pong``'s copies) issues a transfer on its channel's
+  timeline, ``dma.wait`` waits for it; tiles cost nothing to allocate;
+* each vector helper counts per *vector* of its array, ``v = ceil(n / L)``
+  with ``L = vector_bits / 32`` float32 lanes (16 on ``j6-vision``): its loads
+  and stores are TCM accesses when the array is a view of the core's L2 (a
+  tile), DDR accesses otherwise; its operations are those of the seed's
+  listing for one vector (``_VEC_OPS`` below; constants and coefficient
+  tables are in local memory, so their loads count as TCM).  With
+  ``R = log2(L)``:
+
+  - ``vecmax(x)``: v loads of x, v + R ALU (max, then the lane tree), R + 1 moves;
+  - ``vecsum(x)``: v loads of x, v ALU (add), 1 special (RADD);
+  - ``vecexp_max(out, x, m)``: the seed's vecexpf_max, then vecsum(out):
+    per vector 1 load of x, 7 table loads (TCM), 1 store to out, 18 ALU,
+    11 multiply, 2 moves; then v loads of out, v ALU; once 1 TCM load,
+    2 moves, 1 special;
+  - ``vecmul(out, x, s)``: v loads of x, v stores to out, v multiply, 1 move;
+
+  an empty array counts nothing.  Python arithmetic outside these helpers is
+  not counted (it is not DSP code).
+
+With no profile nothing of this runs: ``cycles()`` is the host clock, as before.
 """
 from __future__ import annotations
 
@@ -34,6 +63,7 @@ import numpy as np
 
 from ... import trace
 from ...abi.layout import PRINTF_HEADER
+from ...costmodel import CostClock, Profile
 from ...memory import L2_SIZE, PRINTF_SIZE, AddressError
 from ...abi.protocol import Status
 from .errors import DmaError, DmaTimeout, MapError, RuntimeMisuse, TileExhausted
@@ -63,10 +93,18 @@ TILE_ELEMS = 128 << 10
 DMA_TIMEOUT_S = 10.0
 F32 = np.dtype(np.float32)
 _MASK64 = (1 << 64) - 1
+# True once a core runtime in this process has a cost model: only then do the
+# helpers look for the task's clock (a device without one runs no counting code).
+_counting = False
 
 
 def cycles() -> int:
-    """The simulated 64-bit cycle counter: nanoseconds × the nominal 1 GHz clock."""
+    """The simulated 64-bit cycle counter: nanoseconds × the nominal 1 GHz clock;
+    under a cost model, the task's modeled clock (cycles since the call began)."""
+    if _counting:
+        clock = _clock()
+        if clock is not None:
+            return clock.read()
     return (time.perf_counter_ns() * CLOCK_HZ // 1_000_000_000) & _MASK64
 
 
@@ -203,6 +241,7 @@ class DmaEngine:
     def __init__(self, tm: TileManager, channels: int = CHANNELS, timeout: float = DMA_TIMEOUT_S):
         self.tm = tm
         self.timeout = timeout
+        self.clock: CostClock | None = None  # the running task's, while a task with a cost model runs
         self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(channels)]
         self._pending: list[list[_Copy]] = [[] for _ in range(channels)]
         self.threads = [threading.Thread(target=self._worker, args=(q,), name=f"dspx-dma{ch}", daemon=True)
@@ -237,6 +276,8 @@ class DmaEngine:
         tiles = [t for t in (self.tm.tile_of(s, nbytes), self.tm.tile_of(d, nbytes)) if t is not None]
         for t in tiles:
             self.tm.pin(t)
+        if self.clock is not None:
+            self.clock.dma_issue(ch, nbytes)
         job = _Copy(s, d, tiles)
         self._pending[ch].append(job)
         self._queues[ch].put(job)
@@ -253,6 +294,8 @@ class DmaEngine:
             pending = self._pending[ch]
             if not pending:
                 raise DmaError(f"dma.wait({ch}) with nothing in flight on channel {ch}")
+            if self.clock is not None:
+                self.clock.dma_wait(ch)
             limit = self.timeout if timeout is None else timeout
             if not pending[-1].done.acquire(timeout=limit):  # FIFO per channel: the last done means all done
                 raise DmaTimeout(f"DMA channel {ch}: {len(pending)} copies not complete after {limit} s")
@@ -334,6 +377,15 @@ class CoreRuntime:
         self.tm = TileManager(self.l2)
         self.dma = DmaEngine(self.tm, timeout=dma_timeout)
         self.native = None  # the native ops' runtime (dspx.device.core.native.Context), made on first use
+        self.cost: Profile | None = None  # the timing model's profile (configure_cost); None: off
+        self.clock: CostClock | None = None
+
+    def configure_cost(self, profile: Profile | None) -> None:
+        """Count every later Python task under ``profile`` (None: the host clock, no counting)."""
+        global _counting
+        self.cost = profile
+        self.clock = CostClock(profile) if profile is not None else None
+        _counting = _counting or profile is not None
 
     def settle(self) -> list[str]:
         """Return the core to idle after a task: wait for copies the handler
@@ -382,6 +434,17 @@ class TaskContext:
         self.printf_limit = printf_limit
         self._text: list[str] = []
         self._maps: dict[int, np.ndarray] = {}
+        # the timing model: the core's clock, restarted for this task (None: off)
+        self.clock: CostClock | None = getattr(core, "clock", None)
+        self.cost_record: dict | None = None  # the task's record, once end_cost ran
+        if self.clock is not None:
+            self.clock.begin()
+
+    def end_cost(self) -> dict | None:
+        """End the task's modeled clock and keep its record (None without a cost model)."""
+        if self.clock is not None and self.cost_record is None:
+            self.cost_record = self.clock.end()
+        return self.cost_record
 
     def map(self, addr: int, nbytes: int) -> np.ndarray:
         try:
@@ -417,10 +480,20 @@ _current: contextvars.ContextVar[TaskContext | None] = contextvars.ContextVar("d
 def activate(task: TaskContext) -> Iterator[TaskContext]:
     """Make ``task`` the one mem_map, printf, dma and ping_pong act on."""
     token = _current.set(task)
+    engine = task.core.dma if task.clock is not None else None
+    if engine is not None:
+        engine.clock = task.clock
     try:
         yield task
     finally:
+        if engine is not None:
+            engine.clock = None
         _current.reset(token)
+
+
+def _clock() -> CostClock | None:
+    task = _current.get()
+    return task.clock if task is not None else None
 
 
 def _task(api: str) -> TaskContext:
@@ -479,20 +552,56 @@ def _f32(x: np.ndarray, what: str) -> np.ndarray:
     return x
 
 
+# What a vector helper is counted for under a cost model (the runtime's
+# docstring): per vector, (loads of x, stores to out, table loads (TCM), ALU,
+# multiply, special, moves) from the seed's listing; and once per call, as a
+# function of R = log2(lanes).  vecexp_max's sum is its own vecsum call.
+_VEC_OPS = {
+    "vecmax": ((1, 0, 0, 1, 0, 0, 0), lambda r: {"alu": r, "move": r + 1}),
+    "vecsum": ((1, 0, 0, 1, 0, 0, 0), lambda r: {"special": 1}),
+    "vecexp_max": ((1, 1, 7, 18, 11, 0, 2), lambda r: {"tcm_loads": 1, "move": 2}),
+    "vecmul": ((1, 1, 0, 0, 1, 0, 0), lambda r: {"move": 1}),
+}
+
+
+def _count_vec(name: str, x: np.ndarray, out: np.ndarray | None = None) -> None:
+    """Count one helper call on the running task's clock (nothing without one)."""
+    task = _current.get()
+    if task is None or task.clock is None or not x.size:
+        return
+    clock = task.clock
+    lanes = clock.f32_lanes
+    v = -(-x.size // lanes)
+    (x_loads, out_stores, table_loads, alu, mul, special, move), once = _VEC_OPS[name]
+    l2 = task.core.l2
+    x_tcm, out_tcm = x.base is l2, out is not None and out.base is l2
+    clock.add(ddr_loads=0 if x_tcm else x_loads * v, tcm_loads=(x_loads * v if x_tcm else 0) + table_loads * v,
+              ddr_stores=0 if out_tcm else out_stores * v, tcm_stores=out_stores * v if out_tcm else 0,
+              alu=alu * v, mul=mul * v, special=special * v, move=move * v)
+    clock.add(**once(lanes.bit_length() - 1))
+
+
 def vecmax(x: np.ndarray) -> np.float32:
     """Largest element; -inf for an empty array."""
     x = _f32(x, "vecmax input")
+    if _counting:
+        _count_vec("vecmax", x)
     return x.max() if x.size else np.float32(-np.inf)
 
 
 def vecsum(x: np.ndarray) -> np.float32:
     """Sum in float32 (numpy's pairwise summation)."""
-    return np.add.reduce(_f32(x, "vecsum input"), dtype=F32)
+    x = _f32(x, "vecsum input")
+    if _counting:
+        _count_vec("vecsum", x)
+    return np.add.reduce(x, dtype=F32)
 
 
 def vecexp_max(out: np.ndarray, x: np.ndarray, m) -> np.float32:
     """out = exp(x - m), in place when out is x; returns sum(out)."""
     np.subtract(_f32(x, "vecexp_max input"), np.float32(m), out=_f32(out, "vecexp_max output"))
+    if _counting:
+        _count_vec("vecexp_max", x, out)
     np.exp(out, out=out)
     return vecsum(out)
 
@@ -500,6 +609,8 @@ def vecexp_max(out: np.ndarray, x: np.ndarray, m) -> np.float32:
 def vecmul(out: np.ndarray, x: np.ndarray, scalar) -> None:
     """out = x * scalar (scalar taken as float32, so nothing widens to float64)."""
     np.multiply(_f32(x, "vecmul input"), np.float32(scalar), out=_f32(out, "vecmul output"))
+    if _counting:
+        _count_vec("vecmul", x, out)
 
 
 # ------------------------------------------------------------------ ping-pong

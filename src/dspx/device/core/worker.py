@@ -19,7 +19,7 @@ import socket
 import sys
 import traceback
 
-from ... import trace
+from ... import costmodel, trace
 from ...abi import layout
 from ...abi.ops import FAULT_INJECTION_ENV
 from ...abi import protocol as P
@@ -51,8 +51,10 @@ class JobAborted(Exception):
 
 
 class CoreWorker:
-    def __init__(self, ep: Endpoint, index: int, threads: int, status: mmap.mmap | None = None):
+    def __init__(self, ep: Endpoint, index: int, threads: int, status: mmap.mmap | None = None,
+                 cost: costmodel.Profile | None = None):
         self.ep = ep
+        self.cost = cost  # the timing model's profile ($DSPX_COST_MODEL), None: off
         self.status = status if status is not None else mmap.mmap(-1, jobs.STATUS_SIZE)
         self.index = index
         self.switches = 0  # owner switches taken (jobs.Switched)
@@ -102,7 +104,7 @@ class CoreWorker:
     def ops(self):
         if self._ops is None:
             from . import rpc
-            self._ops = rpc.CoreOps(self.index, os.environ.get(FAULT_INJECTION_ENV) == "1")
+            self._ops = rpc.CoreOps(self.index, os.environ.get(FAULT_INJECTION_ENV) == "1", cost=self.cost)
         return self._ops
 
     def kernel_names(self) -> set[str]:
@@ -632,7 +634,13 @@ def main(argv=None) -> None:
     if a.status_fd is not None:
         status = mmap.mmap(a.status_fd, jobs.STATUS_SIZE)
         os.close(a.status_fd)
-    core = CoreWorker(jobs.endpoint(sock), a.index, a.threads, status)
+    try:
+        # Read once, now, before the sandbox: a name (a file of the package),
+        # a path, or the profile's JSON text (what the front passes: costmodel.resolve_env).
+        cost = costmodel.from_env()
+    except costmodel.ProfileError as e:
+        raise SystemExit(f"dspx-core {a.index}: {e}") from None
+    core = CoreWorker(jobs.endpoint(sock), a.index, a.threads, status, cost=cost)
     core.serve()
     sys.exit(0)
 
