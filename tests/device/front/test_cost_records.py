@@ -158,3 +158,26 @@ def test_a_bad_cost_read_from_the_channel_restarts_the_core(svc, monkeypatch):
         c.ep = None
         front_end.close()
         core_end.close()
+
+
+def test_get_cost_reads_a_cost_still_in_a_core_s_channel(svc, monkeypatch):
+    """The call ended through the status page (the connection has nothing in
+    flight, so nothing drains its core) and its Cost is unread in the core's
+    channel: GET_COST takes what the cores sent first, and answers it."""
+    import socket
+    sent = []
+    monkeypatch.setattr(svc.connections, "send", lambda conn, data: sent.append(P.decode(data)))
+    c = svc.cores[0]
+    c.ready, c.running = True, None
+    front_end, core_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    front_end.setblocking(False)
+    try:
+        c.ep = jobs.endpoint(front_end)
+        jobs.send(jobs.endpoint(core_end), cost(5, 1, 7))
+        svc._dispatch(svc.st.conns[1], P.GetCost(seq=8).encode(), [], False)
+        (r,) = sent
+        assert (r.seq, r.status, r.cost_seq, r.core) == (8, 0, 7, 0)
+    finally:
+        c.ep = None
+        front_end.close()
+        core_end.close()
