@@ -83,14 +83,15 @@ COST_DICT = {"profile": "j6-vision", "estimate": True, "cycles": 110, "overhead"
 
 
 def test_a_cost_record_by_hand():
-    """tag 41 | job u64, cid u64, seq u32, counted u8, the 13 counts u64 | profile str | 2 x (bytes, transfers)."""
+    """tag 41 | job u64, cid u64, seq u32, counted u8 | profile str | the 13 counts u64 | 2 x (bytes, transfers)."""
     rec = jobs.Cost.of(5, 3, 9, COST_DICT)
     counts = [COST_DICT[k] for k in jobs.COST_COUNTS]
-    want = (struct.pack("<BQQI?13Q", 41, 5, 3, 9, True, *counts) + text(b"j6-vision")
+    want = (struct.pack("<BQQI?", 41, 5, 3, 9, True) + text(b"j6-vision") + struct.pack("<13Q", *counts)
             + struct.pack("<QQ", 4096, 0) + struct.pack("<QQ", 1, 0))
     assert jobs.encode(rec) == want
     assert jobs.decode(want, C2F) == rec
-    assert (rec.cycles, rec.dma_bytes, rec.dma_transfers, rec.counted) == (110, (4096, 0), (1, 0), True)
+    assert rec.figures() == {k: COST_DICT[k] for k in jobs.COST_COUNTS}
+    assert (rec.dma_bytes, rec.dma_transfers, rec.counted) == ((4096, 0), (1, 0), True)
     assert jobs.Cost.of(5, 3, 9, dict(COST_DICT, counted=False)).counted is False
     with pytest.raises(BadRecord, match="a Cost where only"):
         jobs.decode(want, F2C)  # a core's record, never the front's
@@ -98,8 +99,8 @@ def test_a_cost_record_by_hand():
 
 @pytest.mark.parametrize("change, words", [
     ({"profile": "p" * (jobs.MAX_PROFILE + 1)}, ["Cost.profile", "33 bytes exceed the limit of 32"]),
-    ({"cycles": -1}, ["Cost.cycles", "-1 is outside"]),
-    ({"ops_move": 1 << 64}, ["Cost.ops_move", "outside"]),
+    ({"cycles": -1}, ["Cost.counts", "[0]", "-1 is outside"]),
+    ({"ops_move": 1 << 64}, ["Cost.counts", "[12]", "outside"]),
     ({"dma_bytes": [1, 2, 3]}, ["Cost.dma_bytes", "not a tuple of 2"]),
     ({"dma_transfers": [0, -4]}, ["Cost.dma_transfers", "[1]", "-4"]),
 ], ids=["long-profile", "negative", "past-u64", "three-channels", "negative-channel"])

@@ -62,21 +62,11 @@ FAKE_SITE = textwrap.dedent("""
 FAKE_COST_OPS = textwrap.dedent("""
     from dspx.device.core import runtime as rt
 
-    @rt.register_op(0x3101)
-    def costed(inp, out, tm):
+    def nothing(inp, out, tm):  # what each op does is the fake's (FAKE_SITE)
         return 0
 
-    @rt.register_op(0x3102)
-    def plain(inp, out, tm):
-        return 0
-
-    @rt.register_op(0x3103)
-    def whoami(inp, out, tm):
-        return 0
-
-    @rt.register_op(0x3104)
-    def forge(inp, out, tm):
-        return 0
+    for cmd, name in ((0x3101, "costed"), (0x3102, "plain"), (0x3103, "whoami"), (0x3104, "forge")):
+        rt.register_op(cmd, nothing, name=name)
 """)
 
 FAKE_KEYS = {"profile": "j6-vision", "estimate": True, "counted": True, "cycles": 1_000_500, "overhead": 500,

@@ -225,27 +225,19 @@ class Cost:
     seq: int
     profile: str
     counted: bool = True  # False: code the model could not count (a plain native build)
-    cycles: int = 0
-    overhead: int = 0
-    compute: int = 0
-    ddr_stall: int = 0
-    dma_wait: int = 0
-    ddr_loads: int = 0
-    ddr_stores: int = 0
-    tcm_loads: int = 0
-    tcm_stores: int = 0
-    ops_alu: int = 0
-    ops_mul: int = 0
-    ops_special: int = 0
-    ops_move: int = 0
+    counts: tuple = (0,) * 13  # the figures named by COST_COUNTS, in that order (cycles first)
     dma_bytes: tuple = (0, 0)  # per iDMA channel
     dma_transfers: tuple = (0, 0)
+
+    def figures(self) -> dict:
+        """``counts`` by name."""
+        return dict(zip(COST_COUNTS, self.counts))
 
     @classmethod
     def of(cls, job: int, cid: int, seq: int, record: dict) -> "Cost":
         """The record of a call from the cost dict a prepared call's outcome carries."""
         return cls(job, cid, seq, record["profile"], bool(record.get("counted", True)),
-                   *(record[k] for k in COST_COUNTS), tuple(record["dma_bytes"]), tuple(record["dma_transfers"]))
+                   tuple(record[k] for k in COST_COUNTS), tuple(record["dma_bytes"]), tuple(record["dma_transfers"]))
 
 
 # The device's cost model (a profile name or file): set, cores count and send
@@ -590,8 +582,9 @@ _TABLE = {
                 ("response", _Opt(_bytes(MAX_RESPONSE))))),
     39: (Deliver, (("cid", U64), ("data", _bytes(MAX_RESPONSE)))),
     40: (Switched, (("count", U64),)),
-    41: (Cost, (("job", U64), ("cid", U64), ("seq", U32), ("profile", _str(MAX_PROFILE)), ("counted", BOOL))
-         + tuple((k, U64) for k in COST_COUNTS) + (("dma_bytes", _Tup(U64, U64)), ("dma_transfers", _Tup(U64, U64)))),
+    41: (Cost, (("job", U64), ("cid", U64), ("seq", U32), ("profile", _str(MAX_PROFILE)), ("counted", BOOL),
+                ("counts", _Tup(*[U64] * len(COST_COUNTS))), ("dma_bytes", _Tup(U64, U64)),
+                ("dma_transfers", _Tup(U64, U64)))),
 }
 
 # What each end accepts at the top level of a datagram.

@@ -305,9 +305,10 @@ class CoreSupervisor:
             raise jobs.BadRecord(f"Cost for connection {rec.cid}, which core {c.index} does not serve")
         if not rec.profile or not rec.profile.isascii() or not rec.profile.isprintable():
             raise jobs.BadRecord(f"Cost for job {rec.job} names profile {rec.profile!r}, not a printable ASCII name")
-        parts = rec.overhead + rec.compute + rec.ddr_stall + rec.dma_wait
-        if rec.cycles != parts:
-            raise jobs.BadRecord(f"Cost for job {rec.job}: cycles {rec.cycles} != overhead + compute + ddr_stall "
+        f = rec.figures()
+        parts = f["overhead"] + f["compute"] + f["ddr_stall"] + f["dma_wait"]
+        if f["cycles"] != parts:
+            raise jobs.BadRecord(f"Cost for job {rec.job}: cycles {f['cycles']} != overhead + compute + ddr_stall "
                                  f"+ dma_wait = {parts}")
         if rec.job <= self.cost_jobs.get(c.index, 0):  # a core runs its jobs in order, one Cost each
             raise jobs.BadRecord(f"Cost for job {rec.job} after core {c.index}'s Cost for job "

@@ -76,6 +76,6 @@ class Handlers(BufferHandlers, ModuleHandlers, OpLibHandlers, CallHandlers):
         core, rec = conn.last_cost
         return [Respond(P.GetCostResp(
             seq=req.seq, cost_seq=rec.seq, core=core, flags=P.COST_COUNTED if rec.counted else 0,
-            profile=rec.profile.encode("ascii"), **{k: getattr(rec, k) for k in P.COST_FIELDS},
+            profile=rec.profile.encode("ascii"), **rec.figures(),
             dma_bytes_0=rec.dma_bytes[0], dma_bytes_1=rec.dma_bytes[1],
             dma_transfers_0=rec.dma_transfers[0], dma_transfers_1=rec.dma_transfers[1]))]
