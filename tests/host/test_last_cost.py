@@ -221,8 +221,9 @@ def test_a_traced_host_draws_the_modeled_dsp_timeline(cost_dev, tmp_path):
     assert [e["name"] for e in core] == [f"call seq {info['seq']} (estimate)", "overhead", "compute", "ddr stall",
                                          "dma wait"]
     call, *parts = core
-    assert call["dur"] == pytest.approx(1_000_500 / 1000)  # µs at 1 GHz (the fallback when the host has no profile)
-    assert [p["dur"] for p in parts] == pytest.approx([0.5, 600, 300, 100])
+    us = 1e6 / call["args"]["clock_hz"]  # per modeled cycle: the profile's clock, else (no profile here) 1 GHz
+    assert call["args"]["estimate"] is True and call["dur"] == pytest.approx(1_000_500 * us)
+    assert [p["dur"] for p in parts] == pytest.approx([500 * us, 600_000 * us, 300_000 * us, 100_000 * us])
     for a, b in zip(parts, parts[1:]):  # consecutive: the record holds totals, not when each happened
         assert b["ts"] == pytest.approx(a["ts"] + a["dur"])
     assert parts[0]["ts"] == pytest.approx(call["ts"])

@@ -109,7 +109,8 @@ def modeled_call(record: dict, t0: int, clock_hz: float) -> None:
     core = record.get("core", 0)
     rec.name_track(pid, core, f"core {core} (modeled)")
     ns = 1e9 / clock_hz
-    args = {"estimate": True, "profile": record["profile"], "seq": record["seq"], "cycles": record["cycles"]}
+    args = {"estimate": True, "profile": record["profile"], "seq": record["seq"], "cycles": record["cycles"],
+            "clock_hz": clock_hz}
     t, end = t0, t0 + round(record["cycles"] * ns)
     rec.complete(f"call seq {record['seq']} (estimate)", t0, end, "modeled", args, tid=core, pid=pid)
     for part in ("overhead", "compute", "ddr_stall", "dma_wait"):
