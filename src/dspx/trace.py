@@ -76,11 +76,25 @@ class Recorder:
             self._named.add(tid)
             self._meta("thread_name", {"name": name}, tid)
 
+    def name_process(self, pid: int, name: str, sort_index: int = 0) -> None:
+        """Name a track group of its own (``pid``: not a process's, e.g. a modeled timeline)."""
+        if ("pid", pid) not in self._named:
+            self._named.add(("pid", pid))
+            self._events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}})
+            self._events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
+                                 "args": {"sort_index": sort_index}})
+
+    def name_track(self, pid: int, tid: int, name: str) -> None:
+        """Name track ``tid`` of the group ``pid`` (name_process)."""
+        if (pid, tid) not in self._named:
+            self._named.add((pid, tid))
+            self._events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
+
     def complete(self, name: str, t0: int, t1: int, cat: str = "", args: dict | None = None,
-                 tid: int | None = None) -> None:
-        """An event from t0 to t1 (perf_counter_ns) on the calling thread (or ``tid``)."""
+                 tid: int | None = None, pid: int | None = None) -> None:
+        """An event from t0 to t1 (perf_counter_ns) on the calling thread (or ``tid``, of ``pid``)."""
         ev = {"name": name, "cat": cat, "ph": "X", "ts": t0 / 1000, "dur": (t1 - t0) / 1000,
-              "pid": self.pid, "tid": threading.get_native_id() if tid is None else tid}
+              "pid": self.pid if pid is None else pid, "tid": threading.get_native_id() if tid is None else tid}
         if args:
             ev["args"] = args
         self._events.append(ev)  # list.append is atomic: DMA threads record too

@@ -78,6 +78,17 @@ LAYOUTS = [
                                     (48, "Q", "carveout_used", 1_183_744), (56, "I", "l2_total", 1 << 20),
                                     (60, "I", "l2_used", 64), (64, "I", "connections", 2), (68, "I", "modules", 3),
                                     (72, "I", "cores", 4), (76, "I", "op_count", 5), (80, "Q", "rss_bytes", 2**34 + 3)]),
+    (P.GetCost, 0x0062, 16, []),
+    (P.GetCostResp, 0x1062, 200, [(16, "I", "cost_seq", 77), (20, "I", "core", 2), (24, "I", "flags", 1),
+                                  (28, "I", "reserved", 6), (32, "32s", "profile", b"j6-vision".ljust(32, b"\0")),
+                                  (64, "Q", "cycles", 2**40 + 10), (72, "Q", "overhead", 500),
+                                  (80, "Q", "compute", 2**40), (88, "Q", "ddr_stall", 7), (96, "Q", "dma_wait", 3),
+                                  (104, "Q", "ddr_loads", 25_001), (112, "Q", "ddr_stores", 25_002),
+                                  (120, "Q", "tcm_loads", 25_003), (128, "Q", "tcm_stores", 25_004),
+                                  (136, "Q", "ops_alu", 2**33 + 1), (144, "Q", "ops_mul", 2**33 + 2),
+                                  (152, "Q", "ops_special", 2**33 + 3), (160, "Q", "ops_move", 2**33 + 4),
+                                  (168, "Q", "dma_bytes_0", 409_600), (176, "Q", "dma_bytes_1", 409_664),
+                                  (184, "Q", "dma_transfers_0", 50), (192, "Q", "dma_transfers_1", 51)]),
 ]
 
 
@@ -366,3 +377,23 @@ def test_descriptor_edges(desc, ok):
 
 def test_descriptor_size_text_names_bytes_per_element():
     assert P.TensorDesc(0, 5, 1, 0, 16, (2,)).check() == "data_size 5 != 2 elements x 2 bytes for shape [2]"
+
+
+def test_get_cost_resp_by_hand_and_its_record():
+    """GET_COST_RESP written out field by field (docs/protocol.md), decoded
+    into the record the host hands out (COST-SPEC names, 2 iDMA channels)."""
+    counts = [1000 + i for i in range(13)]
+    counts[0] = counts[1] + counts[2] + counts[3] + counts[4]  # cycles = overhead + compute + ddr_stall + dma_wait
+    hand = (struct.pack("<IIIi", 0x1062, 9, 200, 0) + struct.pack("<IIII", 8, 1, 1, 0) + b"c7x-j722s" + b"\0" * 23
+            + struct.pack("<13Q", *counts) + struct.pack("<QQQQ", 4096, 8192, 1, 2))
+    msg = P.decode(hand)
+    assert type(msg) is P.GetCostResp and msg.encode() == hand
+    names = ["cycles", "overhead", "compute", "ddr_stall", "dma_wait", "ddr_loads", "ddr_stores", "tcm_loads",
+             "tcm_stores", "ops_alu", "ops_mul", "ops_special", "ops_move"]
+    assert msg.record() == {"profile": "c7x-j722s", "estimate": True, "seq": 8, "core": 1, "counted": True,
+                            **dict(zip(names, counts)), "dma_bytes": [4096, 8192], "dma_transfers": [1, 2]}
+    assert P.GetCostResp(profile=b"x").record()["counted"] is False  # flags bit 0 clear: not counted
+    assert P.COST_FIELDS == tuple(names) and P.COST_PROFILE_LEN == 32 and P.COST_COUNTED == 1
+    assert P.decode(P.GetCost(seq=4).encode()).seq == 4 and len(P.GetCost().encode()) == 16
+    with pytest.raises(P.ProtocolError, match="must be 16 bytes"):
+        P.decode(struct.pack("<IIIi", 0x0062, 1, 20, 0) + b"\0" * 4)  # GET_COST has no body

@@ -76,6 +76,51 @@ def test_every_record_round_trips():
         assert jobs.decode(jobs.encode(rec), C2F) == rec
 
 
+COST_DICT = {"profile": "j6-vision", "estimate": True, "cycles": 110, "overhead": 10, "compute": 60,
+             "ddr_stall": 30, "dma_wait": 10, "ddr_loads": 1, "ddr_stores": 2, "tcm_loads": 3, "tcm_stores": 4,
+             "ops_alu": 5, "ops_mul": 6, "ops_special": 7, "ops_move": 8, "dma_bytes": [4096, 0],
+             "dma_transfers": [1, 0]}
+
+
+def test_a_cost_record_by_hand():
+    """tag 41 | job u64, cid u64, seq u32, counted u8 | profile str | the 13 counts u64 | 2 x (bytes, transfers)."""
+    rec = jobs.Cost.of(5, 3, 9, COST_DICT)
+    counts = [COST_DICT[k] for k in jobs.COST_COUNTS]
+    want = (struct.pack("<BQQI?", 41, 5, 3, 9, True) + text(b"j6-vision") + struct.pack("<13Q", *counts)
+            + struct.pack("<QQ", 4096, 0) + struct.pack("<QQ", 1, 0))
+    assert jobs.encode(rec) == want
+    assert jobs.decode(want, C2F) == rec
+    assert rec.figures() == {k: COST_DICT[k] for k in jobs.COST_COUNTS}
+    assert (rec.dma_bytes, rec.dma_transfers, rec.counted) == ((4096, 0), (1, 0), True)
+    assert jobs.Cost.of(5, 3, 9, dict(COST_DICT, counted=False)).counted is False
+    with pytest.raises(BadRecord, match="a Cost where only"):
+        jobs.decode(want, F2C)  # a core's record, never the front's
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"profile": "p" * (jobs.MAX_PROFILE + 1)}, ["Cost.profile", "33 bytes exceed the limit of 32"]),
+    ({"cycles": -1}, ["Cost.counts", "[0]", "-1 is outside"]),
+    ({"ops_move": 1 << 64}, ["Cost.counts", "[12]", "outside"]),
+    ({"dma_bytes": [1, 2, 3]}, ["Cost.dma_bytes", "not a tuple of 2"]),
+    ({"dma_transfers": [0, -4]}, ["Cost.dma_transfers", "[1]", "-4"]),
+], ids=["long-profile", "negative", "past-u64", "three-channels", "negative-channel"])
+def test_a_cost_record_out_of_range_is_bad_record(change, words):
+    with pytest.raises(BadRecord) as e:
+        jobs.encode(jobs.Cost.of(1, 1, 1, dict(COST_DICT, **change)))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_a_decoded_cost_is_checked_like_every_record():
+    good = jobs.encode(jobs.Cost.of(1, 1, 1, COST_DICT))
+    with pytest.raises(BadRecord, match=r"Cost.*bool item 3 is 2"):
+        jobs.decode(good[:21] + b"\x02" + good[22:], C2F)  # counted
+    with pytest.raises(BadRecord, match="Cost.dma_transfers.*truncated"):
+        jobs.decode(good[:-1], C2F)
+    with pytest.raises(BadRecord, match="Cost.*1 bytes after"):
+        jobs.decode(good + b"\0", C2F)
+
+
 # ---------------------------------------------------------------- bad input
 
 DONE = jobs.encode(jobs.Done(4, 3, "err", 2, {"error_line": 1}))

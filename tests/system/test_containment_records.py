@@ -148,6 +148,15 @@ def test_a_done_for_jobs_not_its_core_s_restarts_the_core(dev, tmp_path):
 
 
 @attacks.needs_cc
+def test_a_cost_record_from_a_core_without_a_cost_model_restarts_the_core(dev, tmp_path):
+    """The timing model off, a core has nothing to report: any Cost is a forgery."""
+    got = _attack(dev, tmp_path, "handler", [jobs.encode(jobs.Cost(j, cid, 1, "j6-vision"))
+                                             for j in range(1, 20) for cid in (1, 2)])
+    assert got.status == "ERR_CALL", got
+    assert "runs without a cost model" in got.error, got
+
+
+@attacks.needs_cc
 def test_a_second_hello_restarts_the_core(dev, tmp_path):
     got = _attack(dev, tmp_path, "handler", [jobs.encode(jobs.Hello(0, 1, [(0x1402, "mine", 0)]))])
     assert got.status == "ERR_CALL" and "a second Hello" in got.error, got

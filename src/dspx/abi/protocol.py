@@ -87,6 +87,7 @@ class MsgType(enum.IntEnum):
     OPS_LIST = 0x0052
     GET_ERROR = 0x0060
     POOL_STATUS = 0x0061
+    GET_COST = 0x0062
 
 
 class DType:
@@ -638,6 +639,64 @@ class PoolStatusResp(Message):
     cores: int = 0
     op_count: int = 0
     rss_bytes: int = 0
+
+
+# The cost record of the connection's last counted call (the timing model,
+# docs/cost-model.md).  ERR_OP when the device has no cost model or no call
+# of this connection was counted: the answer an older device gives to a type
+# it does not know, so a client treats both alike (GET_ERROR says which).
+COST_PROFILE_LEN = 32
+COST_COUNTED = 1 << 0  # GetCostResp.flags: the call's code was counted (a plain native build is not)
+COST_CHANNELS = 2  # iDMA channels in the record
+# The record's cycle and count fields, in wire order (COST-SPEC's names).
+COST_FIELDS = ("cycles", "overhead", "compute", "ddr_stall", "dma_wait", "ddr_loads", "ddr_stores", "tcm_loads",
+               "tcm_stores", "ops_alu", "ops_mul", "ops_special", "ops_move")
+
+
+@_msg(MsgType.GET_COST, "", "")
+@dataclass
+class GetCost(Message):
+    pass
+
+
+@_msg(MsgType.GET_COST | RESPONSE_BIT, f"IIII{COST_PROFILE_LEN}s" + "Q" * (len(COST_FIELDS) + 2 * COST_CHANNELS),
+      "cost_seq core flags reserved profile " + " ".join(COST_FIELDS)
+      + " dma_bytes_0 dma_bytes_1 dma_transfers_0 dma_transfers_1")
+@dataclass
+class GetCostResp(Message):
+    """An estimate of the call ``cost_seq`` under cost model ``profile``
+    (NUL-padded ASCII), run on ``core``."""
+    cost_seq: int = 0
+    core: int = 0
+    flags: int = 0
+    reserved: int = 0
+    profile: bytes = b""
+    cycles: int = 0
+    overhead: int = 0
+    compute: int = 0
+    ddr_stall: int = 0
+    dma_wait: int = 0
+    ddr_loads: int = 0
+    ddr_stores: int = 0
+    tcm_loads: int = 0
+    tcm_stores: int = 0
+    ops_alu: int = 0
+    ops_mul: int = 0
+    ops_special: int = 0
+    ops_move: int = 0
+    dma_bytes_0: int = 0
+    dma_bytes_1: int = 0
+    dma_transfers_0: int = 0
+    dma_transfers_1: int = 0
+
+    def record(self) -> dict:
+        """The record as COST-SPEC names it (``dma_bytes``/``dma_transfers`` per channel)."""
+        out = {"profile": self.profile.rstrip(b"\0").decode("ascii", "replace"), "estimate": True,
+               "seq": self.cost_seq, "core": self.core, "counted": bool(self.flags & COST_COUNTED)}
+        out.update({k: getattr(self, k) for k in COST_FIELDS})
+        out["dma_bytes"] = [self.dma_bytes_0, self.dma_bytes_1]
+        out["dma_transfers"] = [self.dma_transfers_0, self.dma_transfers_1]
+        return out
 
 
 # ---------------------------------------------------------------- decoding

@@ -36,6 +36,7 @@ import os
 import struct
 from dataclasses import dataclass, field, fields
 
+from ..abi.protocol import COST_FIELDS, COST_PROFILE_LEN
 from ..transport import Endpoint
 
 MAX_JOB_MSG = 1 << 20
@@ -210,6 +211,39 @@ class Switched:
     switch dropped is that connection's own late answer until this arrives,
     and a forgery after it (front/supervisor.py CoreSupervisor.deliver)."""
     count: int
+
+
+@dataclass(slots=True)
+class Cost:
+    """The timing model's record of a call the core ran (docs/cost-model.md):
+    sent before the call's answer, only when a cost model is on, so the
+    front holds it (per connection) when the client asks GET_COST.  The
+    fields are the cost record's (docs/cost-model.md); ``cid``/``seq``: whose
+    call it was."""
+    job: int
+    cid: int
+    seq: int
+    profile: str
+    counted: bool = True  # False: code the model could not count (a plain native build)
+    counts: tuple = (0,) * 13  # the figures named by COST_COUNTS, in that order (cycles first)
+    dma_bytes: tuple = (0, 0)  # per iDMA channel
+    dma_transfers: tuple = (0, 0)
+
+    def figures(self) -> dict:
+        """``counts`` by name."""
+        return dict(zip(COST_COUNTS, self.counts))
+
+    @classmethod
+    def of(cls, job: int, cid: int, seq: int, record: dict) -> "Cost":
+        """The record of a call from the cost dict a prepared call's outcome carries."""
+        return cls(job, cid, seq, record["profile"], bool(record.get("counted", True)),
+                   tuple(record[k] for k in COST_COUNTS), tuple(record["dma_bytes"]), tuple(record["dma_transfers"]))
+
+
+# The device's cost model (a profile name or file): set, cores count and send
+# Cost records; unset, no counting code runs and a Cost is a bad record.
+COST_MODEL_ENV = "DSPX_COST_MODEL"
+COST_COUNTS = COST_FIELDS  # Cost's cycle and count fields, in GET_COST_RESP's order
 
 
 # A core's status page, shared with the front (a memfd both map): the id of
@@ -509,6 +543,7 @@ MAX_ITEMS = 1 << 16  # ids in a Forget, a connection's regions, operators of a l
 MAX_INPUTS = 4096  # a module's inputs (the front's limit for INFER_LARGE)
 MAX_RANK = 32
 MAX_FILENAME = 4096
+MAX_PROFILE = COST_PROFILE_LEN  # a cost profile's name
 # The failure numbers a Done may carry (response fields of the client's answer).
 NUMBERS = ("oom_requested", "oom_free", "oom_total", "error_line", "result_required", "cycles")
 
@@ -547,11 +582,14 @@ _TABLE = {
                 ("response", _Opt(_bytes(MAX_RESPONSE))))),
     39: (Deliver, (("cid", U64), ("data", _bytes(MAX_RESPONSE)))),
     40: (Switched, (("count", U64),)),
+    41: (Cost, (("job", U64), ("cid", U64), ("seq", U32), ("profile", _str(MAX_PROFILE)), ("counted", BOOL),
+                ("counts", _Tup(*[U64] * len(COST_COUNTS))), ("dma_bytes", _Tup(U64, U64)),
+                ("dma_transfers", _Tup(U64, U64)))),
 }
 
 # What each end accepts at the top level of a datagram.
 FRONT_TO_CORE = (LoadModule, UnloadModule, LoadWeights, UnloadWeights, Call, LoadOps, UnloadOps, Forget)
-CORE_TO_FRONT = (Hello, Done, Deliver, Switched)
+CORE_TO_FRONT = (Hello, Done, Deliver, Switched, Cost)
 
 
 class _Schema:

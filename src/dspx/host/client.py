@@ -54,6 +54,17 @@ class InferResult:
     return_value: int = 0
 
 
+def _clock_hz(profile: str) -> float:
+    """The modeled clock of cost profile ``profile`` (its ``clock_hz``); 1 GHz
+    when the host cannot load it (then a modeled cycle is drawn as 1 ns)."""
+    try:
+        from ..costmodel import profile as costmodel_profile
+        p = costmodel_profile.load(profile).param("clock_hz")
+        return float(getattr(p, "value", p))
+    except Exception:  # no such profile here, or no cost model package: draw at the nominal clock
+        return 1e9
+
+
 class Client:
     """A session with the device.  Use as a context manager."""
 
@@ -70,6 +81,7 @@ class Client:
         self.session = Session()
         self._infer_layouts: dict = {}  # layouts of recent inferences (see _layout)
         self._lock = threading.RLock()
+        self._sent_at: dict[int, int] = {}  # seq -> when it was sent, while tracing
         self.device: launcher.PrivateDevice | None = None
         path, self.device = launcher.resolve(socket, cores=cores, extra_args=device_args)
         self.socket_path = path
@@ -184,6 +196,9 @@ class Client:
         finally:
             if t0:
                 trace.complete("send", t0, "host")
+                self._sent_at[seq] = t0  # where a call's modeled DSP timeline starts (last_cost)
+                if len(self._sent_at) > 256:
+                    del self._sent_at[next(iter(self._sent_at))]
 
     def _drain_for_send(self, deadline: float, request: str) -> None:
         import select
@@ -283,6 +298,23 @@ class Client:
     def pools(self) -> dict:
         r = self.request(P.PoolStatus())
         return {f: getattr(r, f) for f in r.FIELDS}
+
+    def last_cost(self) -> dict:
+        """The timing model's record of this connection's last counted call
+        (GET_COST): an estimate (``"estimate": True``) under ``"profile"``,
+        for the call ``"seq"`` ran on ``"core"``, with its modeled
+        ``cycles`` = overhead + compute + ddr_stall + dma_wait, the counts,
+        and ``dma_bytes``/``dma_transfers`` per iDMA channel.  Raises
+        ``UnknownOp`` (ERR_OP) when the device has no cost model or counted
+        no call of this connection.  While tracing, the record is drawn as
+        the modeled DSP timeline (host/tracing.py ``modeled_call``)."""
+        rec = self.request(P.GetCost()).record()
+        if trace.on:
+            from .tracing import modeled_call
+            t0 = self._sent_at.get(rec["seq"])
+            hz = _clock_hz(rec["profile"])
+            modeled_call(rec, t0 if t0 is not None else trace.clock() - round(rec["cycles"] * 1e9 / hz), hz)
+        return rec
 
     # ---------------------------------------------------------------- buffers
     def attach(self, buf: DmaBuf, staging: bool = False, kv_size: int = 0) -> DmaBuf:

@@ -159,6 +159,11 @@ class Tasks:
         self.release(t)
         return t
 
+    def last_cost(self) -> dict:
+        """The timing model's record of the last counted task of this session
+        (``Client.last_cost``; its ``"seq"`` is that task's ``seq``)."""
+        return self.client.last_cost()
+
     # ------------------------------------------------------------------ op libraries
     def load_ops(self, source: str | bytes | Path) -> tuple[int, int]:
         """Send an op library to the device: (library handle, number of ops).

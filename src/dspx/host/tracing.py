@@ -85,3 +85,44 @@ def finish() -> Path | None:
     tmp.write_text(json.dumps(data), encoding="utf-8")
     tmp.replace(rec.path)
     return rec.path
+
+
+# The modeled DSP timeline's track group: not a process of this machine (pids
+# stay below 2^22), one per host program.
+MODELED_PID_BASE = 1 << 22
+MODELED_SORT_INDEX = 90  # below host, front and cores
+_DMA_TID = 1000  # a core's iDMA channel tracks: _DMA_TID + 10 * core + channel
+
+
+def modeled_call(record: dict, t0: int, clock_hz: float) -> None:
+    """Draw one call's cost record (Client.last_cost) as the modeled DSP
+    timeline, its own process "modeled DSP (<profile>)" beside host time,
+    starting when the host sent the call (``t0``, perf_counter_ns), cycles
+    at ``clock_hz``.  On the core's track: overhead, compute, DDR stall and
+    DMA wait as consecutive spans (the record holds their totals, not when
+    each happened); on each iDMA channel's track one span, as long as the
+    call, carrying the channel's bytes and transfers (the record has no
+    per-transfer times)."""
+    rec = trace.recorder()
+    pid = MODELED_PID_BASE + os.getpid()
+    rec.name_process(pid, f"modeled DSP ({record['profile']})", MODELED_SORT_INDEX)
+    core = record.get("core", 0)
+    rec.name_track(pid, core, f"core {core} (modeled)")
+    ns = 1e9 / clock_hz
+    args = {"estimate": True, "profile": record["profile"], "seq": record["seq"], "cycles": record["cycles"],
+            "clock_hz": clock_hz}
+    t, end = t0, t0 + round(record["cycles"] * ns)
+    rec.complete(f"call seq {record['seq']} (estimate)", t0, end, "modeled", args, tid=core, pid=pid)
+    for part in ("overhead", "compute", "ddr_stall", "dma_wait"):
+        if record[part]:
+            t1 = t + round(record[part] * ns)
+            rec.complete(part.replace("_", " "), t, t1, "modeled", {"cycles": record[part]}, tid=core, pid=pid)
+            t = t1
+    for ch, (nbytes, count) in enumerate(zip(record["dma_bytes"], record["dma_transfers"])):
+        if count:
+            tid = _DMA_TID + 10 * core + ch
+            rec.name_track(pid, tid, f"core {core} iDMA ch{ch} (modeled)")
+            rec.complete(f"ch{ch}: {count} transfers, {nbytes} bytes", t0, end, "modeled",
+                         {"bytes": nbytes, "transfers": count, "placement": "totals: no per-transfer times"},
+                         tid=tid, pid=pid)
+    rec.flush()

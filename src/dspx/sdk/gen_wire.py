@@ -150,6 +150,8 @@ def generate() -> str:
               ("DYN_LOAD_OP_LIBRARY", P.DYN_LOAD_OP_LIBRARY, "DYN_LOAD flags bit 0"),
               ("ATTACH_STAGING", P.ATTACH_STAGING, "BUF_ATTACH flags bit 0"),
               ("GET_ERROR_MAX_TEXT", P.GetErrorResp.MAX_TEXT, ""),
+              ("COST_PROFILE_LEN", P.COST_PROFILE_LEN, "GET_COST_RESP profile bytes"),
+              ("COST_COUNTED", P.COST_COUNTED, "GET_COST_RESP flags bit 0"),
               ("OP_NAME_LEN", P.OP_NAME_LEN, ""),
               ("OPS_LIST_MAX_ENTRIES", P.OpsListResp.MAX_ENTRIES, ""),
               ("DTYPE_INT", P.DType.INT, "DLPack type codes"),

@@ -18,11 +18,14 @@ from ...abi.protocol import Status
 class Outcome:
     """What one run of a prepared call came to: its status (with the error
     text and the numbers a failure response carries) and ``answer``, the
-    figures its kind's response is made of."""
+    figures its kind's response is made of.  ``cost``: the timing model's
+    record of the run (docs/cost-model.md's names) when a cost model is on;
+    the worker sends it to the front (``jobs.Cost``) before the answer."""
     status: int = Status.SUCCESS
     error: str = ""
     numbers: dict = field(default_factory=dict)
     answer: tuple = ()
+    cost: dict | None = None
 
 
 class Prepared(Protocol):

@@ -346,6 +346,8 @@ class CoreWorker:
             outcome = plan.run(self)
             resp = plan.response(rec.seq, outcome, rec.queued_us)
             status, error, numbers = outcome.status, outcome.error, outcome.numbers
+            if outcome.cost is not None:  # a cost model is on: the front holds it before the client can ask
+                self._send_cost(rec, spec.cid, outcome.cost)
         except BaseException as e:  # KeyboardInterrupt, SystemExit …: a status for this caller, not the core's end
             status = _status_of(e)
             if isinstance(e, SystemExit):
@@ -380,6 +382,15 @@ class CoreWorker:
                 pass  # the client is gone
         if wake:  # the front has work queued behind this call
             jobs.send(self.ep, jobs.Done(rec.job, int(status), seq=rec.seq))
+
+    def _send_cost(self, rec: jobs.Call, cid: int, cost: dict) -> None:
+        """Tell the front the call's cost record; one that does not make a
+        valid record is left out (and said), the call is answered all the same."""
+        try:
+            jobs.send(self.ep, jobs.Cost.of(rec.job, cid, rec.seq, cost))
+        except (jobs.BadRecord, KeyError, TypeError, ValueError) as e:
+            os.write(2, f"dspx-core {self.index}: the cost record of job {rec.job} is not sent: "
+                        f"{type(e).__name__}: {e}\n".encode())
 
     def _contain(self) -> None:
         """Drop what no job needs before the first one: the SDK shim is built

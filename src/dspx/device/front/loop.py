@@ -168,6 +168,8 @@ class Service:
             conn.last_error = (hdr[1] if hdr else 0, S.ERR_INVALID, f"datagram longer than {P.MAX_MSG} bytes")
             send(conn, P.error_response(hdr[0] if hdr else 0, hdr[1] if hdr else 0, S.ERR_INVALID))
             return
+        if hdr is not None and hdr[0] == P.MsgType.GET_COST:
+            self.supervisor.drain_all()  # the Cost of the call just answered may still be in its core's channel
         key = None
         if hdr is not None and hdr[0] in PLANNED and not fds:
             key = Handlers.plan_key(conn, hdr[0], data)

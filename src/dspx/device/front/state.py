@@ -113,6 +113,7 @@ class Conn:
     modules: set = field(default_factory=set)
     models: set = field(default_factory=set)
     last_error: tuple = (0, 0, "")
+    last_cost: tuple | None = None  # (core index, jobs.Cost) of its last counted call, for GET_COST
     inflight: int = 0
     closed: bool = False
     outbox: list = field(default_factory=list)  # encoded responses waiting for room in the socket

@@ -35,6 +35,7 @@ class CoreSupervisor:
         self.st = front.st
         self.cores = cores
         self.spawner: Spawner | None = None  # starts the cores (the front itself may not exec)
+        self.cost_jobs: dict[int, int] = {}  # core index -> the job of its last Cost record
 
     def rss(self) -> int:
         return sum(psutil.Process(c.proc.pid).memory_info().rss for c in self.cores
@@ -239,11 +240,20 @@ class CoreSupervisor:
                     self.done(c, rec)
                 elif isinstance(rec, jobs.Switched):
                     self.switched(c, rec)
+                elif isinstance(rec, jobs.Cost):
+                    self.cost(c, rec)
                 else:
                     raise jobs.BadRecord(f"a second {type(rec).__name__}")
             except jobs.BadRecord as e:
                 self._invalid_record(c, str(e))
                 return
+
+    def drain_all(self) -> None:
+        """Take what every core has sent: before a GET_COST, whose call's
+        Cost went out just before its answer and may not be read yet."""
+        for c in self.cores:
+            if c.ep is not None:
+                self.drain(c)
 
     def _invalid_record(self, c: CoreProc, why: str) -> None:
         self.front.log(f"core {c.index} sent an invalid record: {why}; restarting it")
@@ -274,6 +284,40 @@ class CoreSupervisor:
                                  f"and acknowledged {c.switches_acked}")
         c.switches_acked = rec.count
         c.dropped_conns = {cid: n for cid, n in c.dropped_conns.items() if n > rec.count}
+
+    def cost(self, c: CoreProc, rec: jobs.Cost) -> None:
+        """A call's cost record: kept for its connection (GET_COST) if this
+        core has a cost model, ran that job, for a connection it serves, and
+        the figures add up; anything else is a bad record."""
+        env = c.env if c.env is not None else os.environ
+        if not env.get(jobs.COST_MODEL_ENV):
+            raise jobs.BadRecord(f"Cost for job {rec.job}, but core {c.index} runs without a cost model")
+        if rec.job not in c.sent:
+            raise jobs.BadRecord(f"Cost for job {rec.job}, which was never sent to core {c.index}")
+        job = c.running
+        if job is not None and job.rec.job == rec.job:  # its call still runs for the front: check it exactly
+            if not isinstance(job.rec, jobs.Call) or job.conn is None or job.conn.cid != rec.cid \
+                    or job.rec.seq != rec.seq:
+                raise jobs.BadRecord(f"Cost for job {rec.job} (connection {rec.cid}, seq {rec.seq}), which is "
+                                     f"{type(job.rec).__name__} seq {getattr(job.rec, 'seq', 0)} of connection "
+                                     f"{job.conn.cid if job.conn else None}")
+        elif rec.cid not in c.known_conns and rec.cid not in c.dropped_conns:
+            raise jobs.BadRecord(f"Cost for connection {rec.cid}, which core {c.index} does not serve")
+        if not rec.profile or not rec.profile.isascii() or not rec.profile.isprintable():
+            raise jobs.BadRecord(f"Cost for job {rec.job} names profile {rec.profile!r}, not a printable ASCII name")
+        f = rec.figures()
+        parts = f["overhead"] + f["compute"] + f["ddr_stall"] + f["dma_wait"]
+        if f["cycles"] != parts:
+            raise jobs.BadRecord(f"Cost for job {rec.job}: cycles {f['cycles']} != overhead + compute + ddr_stall "
+                                 f"+ dma_wait = {parts}")
+        if rec.job <= self.cost_jobs.get(c.index, 0):  # a core runs its jobs in order, one Cost each
+            raise jobs.BadRecord(f"Cost for job {rec.job} after core {c.index}'s Cost for job "
+                                 f"{self.cost_jobs[c.index]}")
+        self.cost_jobs[c.index] = rec.job
+        conn = self.st.conns.get(rec.cid)
+        # the latest call's record (calls of one connection on two cores may end out of order)
+        if conn is not None and (conn.last_cost is None or conn.last_cost[1].job < rec.job):
+            conn.last_cost = (c.index, rec)
 
     # What a Done's value must be for each kind of job that succeeded (others: None).
     DONE_VALUES = {jobs.LoadModule: jobs.Loaded, jobs.LoadWeights: jobs.WeightsLoaded, jobs.LoadOps: jobs.OpsLoaded}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .... import memory
 from ....abi import protocol as P
+from ....abi.protocol import Status as S
 from ..actions import Respond, failure
 from ..state import Conn, Cores, DeviceState, Reject
 from .buffers import BufferHandlers
@@ -65,3 +66,16 @@ class Handlers(BufferHandlers, ModuleHandlers, OpLibHandlers, CallHandlers):
         seq, status, text = conn.last_error
         return [Respond(P.GetErrorResp(seq=req.seq, error_seq=seq, error_status=status,
                                        payload=text.encode(errors="replace")[:P.GetErrorResp.MAX_TEXT]))]
+
+    def h_get_cost(self, conn, req, fds):
+        """The cost record of the connection's last counted call; ERR_OP without one (docs/protocol.md)."""
+        if conn.last_cost is None:
+            raise Reject(S.ERR_OP, "no cost record: no call of this connection was counted by a cost model (a "
+                                   "device counts when started with DSPX_COST_MODEL=NAME or dspx serve "
+                                   "--cost-model NAME)")
+        core, rec = conn.last_cost
+        return [Respond(P.GetCostResp(
+            seq=req.seq, cost_seq=rec.seq, core=core, flags=P.COST_COUNTED if rec.counted else 0,
+            profile=rec.profile.encode("ascii"), **rec.figures(),
+            dma_bytes_0=rec.dma_bytes[0], dma_bytes_1=rec.dma_bytes[1],
+            dma_transfers_0=rec.dma_transfers[0], dma_transfers_1=rec.dma_transfers[1]))]
