@@ -52,9 +52,9 @@ class PreparedRpc:
             res = core_ops.registry.run(self.spec.cmd, self.inp, self.out, task)
         answer = (res, core.index, core.write_printf(self.spec.printf, res.printf))
         if res.status == Status.SUCCESS:
-            return Outcome(answer=answer)
+            return Outcome(answer=answer, cost=res.cost)
         text = res.printf.strip()
-        return Outcome(res.status, text.splitlines()[-1] if text else "", answer=answer)
+        return Outcome(res.status, text.splitlines()[-1] if text else "", answer=answer, cost=res.cost)
 
     @staticmethod
     def response(seq: int, outcome: Outcome, queued_us: int) -> bytes:
