@@ -39,7 +39,10 @@ def _size_option(name, default, what):
                    "timeout_ms wins; the default is far above any legitimate call, docs/reliability.md §6)")
 @click.option("--conn-memory", default=None,
               help="window bytes one connection may attach (64M, 1G; default: 3/4 of the window)")
-def serve(socket, carveout_size, ddr_pool_size, cores, threads, job_timeout, conn_memory):
+@click.option("--cost-model", "cost_model", default=None, metavar="NAME|FILE",
+              help="estimate the board's cycles with this timing-model profile (j6-vision, c7x-j722s or a file; "
+                   "also $DSPX_COST_MODEL; docs/cost-model.md)")
+def serve(socket, carveout_size, ddr_pool_size, cores, threads, job_timeout, conn_memory, cost_model):
     """Run the simulated device service in the foreground (Ctrl-C stops it)."""
     from ..transport import default_socket_path, is_listening
 
@@ -54,6 +57,11 @@ def serve(socket, carveout_size, ddr_pool_size, cores, threads, job_timeout, con
     for opt, text in sizes:
         _parse_size(opt, text)
         args += [opt, text]
+    if cost_model is not None:
+        from .. import costmodel
+
+        costmodel.load(cost_model)  # a bad name or file is refused here, in the user's words
+        os.environ[costmodel.ENV] = cost_model
     # The device is its own program: replace this process rather than import it.
     # It reads its log level from $DSPX_LOG_LEVEL (set by the logging options).
     os.execv(sys.executable, args)

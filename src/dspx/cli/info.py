@@ -198,14 +198,36 @@ def _human(info: dict) -> list[str]:
     return lines
 
 
+def profile_lines(p: dict) -> list[str]:
+    """A timing-model profile for people: every parameter with its status and source."""
+    lines = [f"profile    {p['name']}: {p['title']}", f"  kind     {p['kind']} ({p['origin']})",
+             "  parameters (value unit, status [range when assumed]; source):"]
+    for name, q in p["params"].items():
+        rng = f" [{q['range'][0]:g}..{q['range'][1]:g}]" if "range" in q else ""
+        lines.append(f"    {name:32} {q['value']:g} {q['unit']}, {q['status']}{rng}")
+        lines.append(f"      {q['source']}")
+    return lines
+
+
 @click.command("info")
-@click.argument("path", type=click.Path(exists=True))
+@click.argument("path", type=click.Path(exists=True), required=False)
+@click.option("--cost-model", "cost_model", default=None, metavar="NAME|FILE",
+              help="print a timing-model profile (j6-vision, c7x-j722s, or your own profile file) instead")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object instead of text")
-def info(path, as_json):
+def info(path, cost_model, as_json):
     """What PATH holds: a compiled module (dir or .so), an LLM package (from
     `dspx compile-llm`) or a GGUF file — inputs and outputs, buffer sizes,
     imports, target CPU, weights; for an LLM its context, KV-cache layout
-    and chat template."""
+    and chat template.  With --cost-model: the profile's parameters, each
+    with its status and source (docs/cost-model.md)."""
+    if cost_model is not None:
+        from .. import costmodel
+
+        prof = costmodel.load(cost_model).describe()
+        click.echo(json.dumps({"status": "ok", "profile": prof}) if as_json else "\n".join(profile_lines(prof)))
+        return
+    if path is None:
+        raise click.UsageError("give a PATH to describe, or --cost-model NAME")
     facts = describe(path)
     if as_json:
         click.echo(json.dumps({"status": "ok", **facts}))
