@@ -1,0 +1,1 @@
+"""Timing model of the board (issue 26): machine profiles and estimates (COST-SPEC.md)."""
