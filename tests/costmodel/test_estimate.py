@@ -92,6 +92,21 @@ def test_l2_spill_rule():
     assert a["ddr_bytes"] == 1024 + 768 + 448 * 2
 
 
+def test_the_later_of_two_convs_meeting_in_an_add_takes_it():
+    """ResNet's downsampling block: main conv p, then shortcut conv q, Add(p, q), Relu. When p
+    runs, q's output does not exist yet, so q's call takes the Add with p's output as residual."""
+    nodes = [helper.make_node("Conv", ["x", "wp"], ["p"], kernel_shape=[1, 1], name="main"),
+             helper.make_node("Conv", ["x", "wq"], ["q"], kernel_shape=[1, 1], name="shortcut"),
+             helper.make_node("Add", ["p", "q"], ["s"]), helper.make_node("Relu", ["s"], ["y"])]
+    g = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+                          [_w("wp", (4, 4, 1, 1)), _w("wq", (4, 4, 1, 1))])
+    r = rows(E.estimate_onnx(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), P, profile="t"))
+    assert list(r) == ["main", "shortcut"]
+    assert (r["main"]["kernel"], r["main"]["in_bytes"]) == ("conv2d", 1024)
+    assert (r["shortcut"]["kernel"], r["shortcut"]["in_bytes"]) == ("conv2d_add", 2048)  # x + residual p
+
+
 def test_subgraph_and_no_kernel_rows_say_so():
     est = E.estimate_onnx(small_model(), P, profile="test", offloaded=["ca", "cb", "p"])
     assert [r["kernel"] for r in est["layers"]] == ["onnx_subgraph:Conv", "onnx_subgraph:Conv",
