@@ -211,6 +211,17 @@ def test_when_requested(fake_profile, monkeypatch):
     assert E.when_requested(None, make)["profile"] == "c7x-test"
 
 
+def test_module_estimate_for_run_info_and_generate(fake_profile):
+    est = E.estimate_onnx(small_model(), dict(P, ddr_bandwidth_bytes_per_cycle=1), profile="old")
+    assert E.module_estimate({"cost_estimate": est}) is est  # dspx info: as recorded
+    again = E.module_estimate({"cost_estimate": est}, "c7x-test")  # dspx run --cost-model: repriced
+    assert again["profile"] == "c7x-test" and again["param_status"]["clock_hz"] == "assumed"
+    assert again["total_cycles"] == E.estimate_onnx(small_model(), P, profile="x")["total_cycles"]
+    assert E.module_estimate({"entry": "main"}, "c7x-test") is None  # compiled without a cost model
+    llm = E.module_estimate({"model": dict(TINY, name="tiny")}, "c7x-test")  # dspx generate, from dims
+    assert llm["decode"]["tok_per_s"] == E.estimate_llm(TINY, P, profile="x")["decode"]["tok_per_s"]
+
+
 def test_compile_metadata_unchanged_without_and_recorded_with_a_cost_model(fake_profile, tmp_path):
     from dspx.compiler.onnx import compile_onnx
 

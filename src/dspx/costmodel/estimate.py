@@ -14,9 +14,9 @@ offloaded onnx_subgraph, the LLM's GEMV/GEMM, attention, norms):
     memory  = DDR bytes / ddr_bandwidth_bytes_per_cycle
 
 DDR bytes (the L2 rule, see ``ddr_bytes``): each layer reads its weights and
-input from DDR and writes its output there (nothing is assumed to stay in L2
-between layers).  Every byte moves once when the smaller of (weights,
-activations) fits in half of L2; otherwise the smaller is re-read once per
+input from DDR and writes its output there once (nothing is assumed to stay
+in L2 between layers).  Weights and input are read once each when the smaller
+of the two fits in half of L2; otherwise the smaller is re-read once per
 half-L2 chunk of the larger.
 
 MACs and operations: conv N·M·Ho·Wo·(C/group)·kh·kw; gemm/matmul output
@@ -77,7 +77,7 @@ class Layer:
 def rates(params: Mapping[str, float]) -> dict[str, float]:
     """The values an estimate uses, by COST-SPEC name; EstimateError names what is missing."""
     got = {k: params[k] for k in NEEDED if k in params}
-    fp32 = next((params[k] for k in FP32_ALIASES if k in params), None)
+    fp32 = next((params[k] for k in FP32_ALIASES if params.get(k)), None)  # c7x-j722s: mma_fp32 is 0
     if fp32 is not None:
         got["vector_fp32_macs_per_cycle"] = fp32
     missing = [k for k in NEEDED if k not in got]
@@ -93,18 +93,21 @@ def requested(cost_model: str | None) -> str | None:
 
 
 def load_params(name_or_path: str) -> tuple[str, dict[str, float], dict[str, str]]:
-    """(profile name, values, statuses) of a profile through dspx.costmodel.profile
-    (a Profile whose ``param(name)`` gives a value or an object with ``.value``
-    and ``.status``)."""
+    """(profile name, values, statuses) of the parameters an estimate needs,
+    from dspx.costmodel.profile.load (a shipped name, a file, or JSON text)."""
     from dspx.costmodel import profile as _profile
 
     prof = _profile.load(name_or_path)
+    table = getattr(prof, "params", None)  # name -> Param(value, status, ...)
     values, status = {}, {}
     for key in NEEDED + FP32_ALIASES[1:]:
-        try:
-            p = prof.param(key)
-        except (KeyError, LookupError, ValueError, AttributeError):
-            continue
+        if isinstance(table, Mapping):
+            p = table.get(key)
+        else:
+            try:
+                p = prof.param(key)
+            except (LookupError, ValueError):
+                p = None
         if p is None:
             continue
         values[key] = float(getattr(p, "value", p))
@@ -174,12 +177,33 @@ def estimate_layers(layers: list[Layer], params: Mapping[str, float], profile: s
     return est
 
 
-def reprice(est: dict, params: Mapping[str, float], profile: str) -> dict:
-    """The same kernel calls (an estimate's rows) under other parameters: for
-    ``dspx run --cost-model`` on a module whose metadata holds an estimate."""
+def reprice(est: dict, params: Mapping[str, float], profile: str, status: Mapping[str, str] | None = None) -> dict:
+    """The same kernel calls (an estimate's rows) under other parameters."""
     fields = Layer.__dataclass_fields__
     layers = [Layer(**{k: row[k] for k in fields}) for row in est["layers"]]
-    return dict(est, **estimate_layers(layers, params, profile))
+    out = {k: v for k, v in est.items() if k != "param_status"}
+    return dict(out, **estimate_layers(layers, params, profile, status))
+
+
+def module_estimate(meta: Mapping, cost_model: str | None = None) -> dict | None:
+    """What ``dspx run DIR --cost-model NAME`` / ``dspx info`` / ``dspx generate``
+    show: the estimate a module's (or an LLM package's) metadata records,
+    recomputed under NAME's parameters when given (the rows keep MACs and
+    bytes, so no model is needed); for an LLM package without one, computed
+    from its dims.  None when there is nothing to show: a module compiled
+    without a cost model (compile it with one)."""
+    est = meta.get("cost_estimate")
+    if cost_model is None:
+        return est
+    profile, params, status = load_params(cost_model)
+    if est is None and "model" in meta and "n_layers" in meta["model"]:
+        return estimate_llm(meta["model"], params, profile=profile, status=status)
+    if est is None:
+        return None
+    if "prefill" in est:
+        return estimate_llm(est["model"], params, profile=profile, position=est["decode"]["position"],
+                            status=status)
+    return reprice(est, params, profile, status)
 
 
 # ---------------------------------------------------------------- compiled ONNX modules
@@ -433,7 +457,8 @@ def _n(v: float) -> str:
     return f"{v:,.0f}" if abs(v) >= 10 or v == int(v) else f"{v:.3g}"
 
 
-def _assumed(est: dict) -> str:
+def assumed_line(est: dict) -> str:
+    """"assumed: …" — every parameter the estimate used, with its status when known."""
     status = est.get("param_status", {})
     parts = [f"{label} {_n(est['params'][k])} {unit}" + (f" ({status[k]})" if k in status else "")
              for k, (label, unit) in _PARAM_LABEL.items()]
@@ -463,7 +488,7 @@ def format_estimate(est: dict) -> str:
     the profile's name and the parameters assumed."""
     title = (f"ESTIMATE on {est['profile']} (a first-principles model of the board, not a measurement; "
              "max(compute, memory) + per-call overhead per kernel call)")
-    lines = [title, _assumed(est)]
+    lines = [title, assumed_line(est)]
     if "prefill" in est:
         p, d = est["prefill"], est["decode"]
         lines += [f"  estimated prefill: {p['tok_per_s']:,.1f} tok/s ({p['tokens']} tokens per call)",
