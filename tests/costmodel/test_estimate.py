@@ -247,3 +247,18 @@ def test_the_shipped_c7x_profile_gives_an_estimate():
     name, params, _ = E.load_params("c7x-j722s")
     est = E.estimate_onnx(small_model(), params, profile=name)
     assert est["profile"] == "c7x-j722s" and est["total_cycles"] > 0
+
+
+def test_llm_package_hook(fake_profile):
+    """compile_llm's hook: nothing without a cost model, the prefill/decode estimate with one."""
+    from dspx.compiler.llm.build import _cost_estimate
+    from dspx.compiler.llm.sizing import Dims, LLMCompileError
+
+    d = Dims(n_layers=2, dim=64, n_heads=2, n_kv=1, head_dim=32, ffn=128, vocab=256, theta=1e4, eps=1e-5,
+             context=64, chunk=16)
+    assert _cost_estimate(d, None) is None
+    est = _cost_estimate(d, "c7x-test")
+    assert est["profile"] == "c7x-test" and est["estimate"] is True
+    assert est["decode"]["tok_per_s"] == E.estimate_llm(TINY, P, profile="x", position=16)["decode"]["tok_per_s"]
+    with pytest.raises(LLMCompileError, match="no profile 'nope'"):
+        _cost_estimate(d, "nope")
