@@ -2,6 +2,7 @@
 [+ ``weights.bin``]).  See docs/compiler.md."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from contextlib import contextmanager
@@ -170,7 +171,8 @@ def _rewrite_kernels(mod, target, blocked: bool = True) -> tuple[object, list[st
 def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bool = True,
                  progress: bool = True, *, target: str | None = None, verify: bool = True,
                  shapes: dict | None = None, dims: dict | None = None, weights: str = "float32",
-                 verifier=None, quantize: str | None = None, calibrate=None, subgraph: bool | None = None) -> dict:
+                 verifier=None, quantize: str | None = None, calibrate=None, subgraph: bool | None = None,
+                 cost_model: str | None = None) -> dict:
     """Compile an ONNX model into ``outdir``; returns the metadata written to
     ``outdir/metadata.json`` (plus ``"timings"`` in seconds per stage).
 
@@ -189,6 +191,9 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
     subgraph: hand the longest supported prefix of the graph to one
         onnx_subgraph kernel call (dspx.compiler.subgraph; default on unless
         DSPX_SUBGRAPH=0; float32 weights with kernels only).
+    cost_model: a cost profile (name or file; default ``$DSPX_COST_MODEL``):
+        record the estimated board time of the module's kernel calls in
+        metadata.json "cost_estimate" (dspx.costmodel.estimate); off: nothing.
     """
     import tvm
     from tvm import relax
@@ -217,6 +222,7 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
         fold_batchnorm(model)
         sum_to_add(model)
         part = _partition(model, subgraph, kernels and weights == "float32" and not quantize)
+        cost = _cost_estimate(model, cost_model, part, quantize=quantize, weights=weights, kernels=kernels)
         if part is not None:
             from dspx.compiler.subgraph import build_module
 
@@ -310,6 +316,8 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
                              report, subgraphs)
     if calib is not None:
         meta = calib.record(outdir, meta)
+    if cost is not None:
+        meta = _add_metadata(outdir, meta, "cost_estimate", cost)
     meta["timings"] = prog.times
     return meta
 
@@ -353,6 +361,35 @@ def _metadata(outdir, sig, io_meta, target_dict, tvm_version, separate, wreport,
                           weights_file=WEIGHTS_FILE if separate else None,
                           extra={"cpu_features": sig.cpu_features, "weights_precision": wreport,
                                  "verify": report, "subgraphs": subgraphs})
+    return meta
+
+
+def _cost_estimate(model: onnx.ModelProto, cost_model: str | None, part, **options) -> dict | None:
+    """The static board-time estimate of the module's kernel calls (from the
+    rewritten ONNX graph, each node of an offloaded subgraph its own row) when a
+    cost model is asked for; None when off (then nothing is imported or done)."""
+    if not (cost_model or os.environ.get("DSPX_COST_MODEL")):
+        return None
+    from dspx.costmodel import estimate
+
+    offloaded = [n.output[0] for n in part.sub.graph.node] if part is not None else []
+
+    def make(params, **kw):
+        return estimate.estimate_onnx(model, params, offloaded=offloaded, **options, **kw)
+
+    try:
+        return estimate.when_requested(cost_model, make)
+    except estimate.EstimateError as e:
+        raise CompileError(str(e)) from None
+
+
+def _add_metadata(outdir, meta: dict, key: str, value) -> dict:
+    """``meta`` with ``key`` added, written to outdir/metadata.json."""
+    meta = dict(meta, **{key: value})
+    path = Path(outdir) / METADATA_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, path)
     return meta
 
 

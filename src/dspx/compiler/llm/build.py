@@ -17,7 +17,7 @@ from dspx.compiler.module import (IO_META_NAME, SIGNATURE_NAME, Signature, Tenso
                                   make_io_meta, write_metadata, write_weights)
 
 from .graph import entry
-from .sizing import Dims, check_kv_layout, dims_of
+from .sizing import Dims, LLMCompileError, check_kv_layout, dims_of
 from .weights import pack_weights
 
 # The modules are built for the machine they run on, like llama.cpp's
@@ -79,11 +79,13 @@ def gguf_identity(path: Path) -> dict:
 
 def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, parallel_decode_gemv: bool = False,
                 context: int = CONTEXT, chunk: int = CHUNK, kv_dtype: str = "float32", target: str = LLM_TARGET,
-                kv_layout: str = "blocked") -> dict:
+                kv_layout: str = "blocked", cost_model: str | None = None) -> dict:
     """Compile a Llama GGUF into ``outdir`` (prefill.so, decode.so, weights.bin,
     metadata.json); returns the metadata (plus ``"timings"``). ``target`` as
     ``dspx compile --target`` (default: this machine); ``kv_layout`` one of
-    KV_LAYOUTS (the arrangement inside the KV tensors; both modules share it)."""
+    KV_LAYOUTS (the arrangement inside the KV tensors; both modules share it);
+    ``cost_model`` (default ``$DSPX_COST_MODEL``): record the estimated prefill
+    and decode tok/s on that profile's board in metadata "cost_estimate"."""
     from dspx.compiler.onnx import _Progress
     from dspx.compiler.target import cpu_features, make_target
     from dspx.llm import read_gguf
@@ -153,9 +155,25 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
         "modules": entries,
         "compiler": {"digest": build_digest(), "tvm_version": tvm.__version__, "target": target_dict},
     }
+    cost = _cost_estimate(d, cost_model)
+    if cost is not None:
+        meta["cost_estimate"] = cost
     (outdir / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     meta["timings"] = dict(prog.times, total=time.perf_counter() - t_all)
     return meta
+
+
+def _cost_estimate(d: Dims, cost_model: str | None) -> dict | None:
+    """Estimated prefill/decode on the board (dspx.costmodel.estimate) when a
+    cost model is asked for; None when off."""
+    if not (cost_model or os.environ.get("DSPX_COST_MODEL")):
+        return None
+    from dspx.costmodel import estimate
+
+    try:
+        return estimate.when_requested(cost_model, lambda params, **kw: estimate.estimate_llm(d, params, **kw))
+    except estimate.EstimateError as e:
+        raise LLMCompileError(str(e)) from None
 
 
 def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True, *, context: int = CONTEXT,
