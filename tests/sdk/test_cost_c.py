@@ -171,12 +171,13 @@ def _driver(cases: list[dict], params: dict | None) -> list[dict]:
         x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
         np.frombuffer(bufs[DATA_ADDR], np.float32, n)[:] = x
         struct.pack_into("<i4xQB", bufs[ARGS_ADDR], 0, 4 * n, DATA_ADDR, case["tcm"])  # hbDSPSoftmaxParam
-        r = reg.run(SOFTMAX_C_CMD, np.frombuffer(bufs[ARGS_ADDR], np.uint8, 24),
-                    np.frombuffer(bufs[OUT_ADDR], np.uint8), rt.TaskContext(space, core))
+        task = rt.TaskContext(space, core)
+        r = reg.run(SOFTMAX_C_CMD, np.frombuffer(bufs[ARGS_ADDR], np.uint8, 24), np.frombuffer(bufs[OUT_ADDR], np.uint8),
+                    task)
         ref = np.exp(x.astype(np.float64) - x.max())
         ref /= ref.sum()
         err = float(np.max(np.abs(np.frombuffer(bufs[OUT_ADDR], np.float32, n) - ref) / ref.max()))
-        results.append({"status": r.status, "cycles": r.cycles, "cost": r.cost, "printf": r.printf, "err": err})
+        results.append({"status": r.status, "cycles": r.cycles, "cost": task.cost, "printf": r.printf, "err": err})
     core.close()
     return results
 

@@ -70,7 +70,6 @@ class OpResult(NamedTuple):
     return_value: int
     cycles: int
     printf: str
-    cost: dict | None = None  # a native call's cost record while a cost model is on (native.run)
 
 
 class _Library:
@@ -315,9 +314,9 @@ class OpRegistry:
         if op is None:
             raise NoSuchOp(cmd)
         if isinstance(op.handler, native.NativeOp):
-            status, rv, elapsed, text, cost = native.run(op.handler, input, output, task)
+            status, rv, elapsed, text, task.cost = native.run(op.handler, input, output, task)
             task.write(text)
-            return OpResult(status, rv, elapsed, task.printf_text(), cost)
+            return OpResult(status, rv, elapsed, task.printf_text())
         status = Status.SUCCESS
         with runtime.activate(task):
             start = runtime.cycles()
