@@ -314,7 +314,7 @@ class OpRegistry:
         if op is None:
             raise NoSuchOp(cmd)
         if isinstance(op.handler, native.NativeOp):
-            status, rv, elapsed, text, task.cost = native.run(op.handler, input, output, task)
+            status, rv, elapsed, text, task.cost_record = native.run(op.handler, input, output, task)
             task.write(text)
             return OpResult(status, rv, elapsed, task.printf_text())
         status = Status.SUCCESS

@@ -382,7 +382,7 @@ class TaskContext:
         self.printf_limit = printf_limit
         self._text: list[str] = []
         self._maps: dict[int, np.ndarray] = {}
-        self.cost: dict | None = None  # the call's cost record while a cost model is on (OpRegistry.run)
+        self.cost_record: dict | None = None  # the call's cost record while a cost model is on (OpRegistry.run)
 
     def map(self, addr: int, nbytes: int) -> np.ndarray:
         try:
