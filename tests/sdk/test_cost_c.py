@@ -160,17 +160,23 @@ def _driver(cases: list[dict], params: dict | None) -> list[dict]:
     import numpy as np
 
     from dspx import sdk
-    from dspx.device.core import native, ops, runtime as rt
+    from dspx.abi.ops import SOFTMAX_CMD
+    from dspx.device.core import builtin_ops, native, ops, runtime as rt
     from dspx.memory import AddressSpace, Region
 
     native.configure_cost(params, "j6-vision")
     out_dir = Path(os.environ["DSPX_TEST_TMP"])
     libs = {kind: sdk.build_ops([EXAMPLE / "softmax_ivp.cc", EXAMPLE / "register.cc"], out_dir / f"softmax_{kind}.so",
-                                echo=False, cost=kind == "cost").read_bytes() for kind in {c["lib"] for c in cases}}
+                                echo=False, cost=kind == "cost").read_bytes()
+            for kind in {c["lib"] for c in cases} - {"builtin"}}
     core, results = rt.CoreRuntime(), []
     for case in cases:
         reg = ops.OpRegistry()
-        reg.load_library(libs[case["lib"]], "softmax_c.so")
+        if case["lib"] == "builtin":  # the firmware softmax: the SDK's cost build of it under a cost model
+            builtin_ops.register(reg)
+        else:
+            reg.load_library(libs[case["lib"]], "softmax_c.so")
+        cmd = SOFTMAX_CMD if case["lib"] == "builtin" else SOFTMAX_C_CMD
         n = case["n"]
         space, bufs = AddressSpace(), {}
         for i, (addr, size) in enumerate(((ARGS_ADDR, 4096), (DATA_ADDR, 4 * n + 4096), (OUT_ADDR, 4 * n + 4096))):
@@ -180,7 +186,7 @@ def _driver(cases: list[dict], params: dict | None) -> list[dict]:
         np.frombuffer(bufs[DATA_ADDR], np.float32, n)[:] = x
         struct.pack_into("<i4xQB", bufs[ARGS_ADDR], 0, 4 * n, DATA_ADDR, case["tcm"])  # hbDSPSoftmaxParam
         task = rt.TaskContext(space, core)
-        r = reg.run(SOFTMAX_C_CMD, np.frombuffer(bufs[ARGS_ADDR], np.uint8, 24), np.frombuffer(bufs[OUT_ADDR], np.uint8),
+        r = reg.run(cmd, np.frombuffer(bufs[ARGS_ADDR], np.uint8, 24), np.frombuffer(bufs[OUT_ADDR], np.uint8),
                     task)
         ref = np.exp(x.astype(np.float64) - x.max())
         ref /= ref.sum()
@@ -307,6 +313,15 @@ def test_the_c_clock_is_the_python_reference_clock(runs, tcm, n):
     want = replay(n, bool(tcm), costmodel.CostClock(costmodel.load("j6-vision")))
     got = runs[(tcm, n)]["cost"]
     assert {k: got[k] for k in want} == want
+
+
+@pytest.mark.parametrize("tcm", [0, 1], ids=["direct", "ping_pong"])
+def test_the_firmware_softmax_is_counted_under_a_cost_model(tmp_path, tcm):
+    (r,) = run_cases(tmp_path, [{"tcm": tcm, "n": N_SEED, "lib": "builtin"}])
+    c = r["cost"]
+    assert r["status"] == 0 and r["err"] < 1e-6 and c["counted"] is True
+    assert r["cycles"] == c["cycles"] == c["overhead"] + c["compute"] + c["ddr_stall"] + c["dma_wait"]
+    assert (c["tcm_loads"] > 0) == bool(tcm) and (sum(c["dma_transfers"]) > 0) == bool(tcm)
 
 
 def test_a_plain_build_under_a_cost_model_runs_uncounted(tmp_path):
