@@ -185,6 +185,9 @@ def _driver(cases: list[dict], params: dict | None) -> list[dict]:
         x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
         np.frombuffer(bufs[DATA_ADDR], np.float32, n)[:] = x
         struct.pack_into("<i4xQB", bufs[ARGS_ADDR], 0, 4 * n, DATA_ADDR, case["tcm"])  # hbDSPSoftmaxParam
+        if case.get("rpc"):  # through the core's RPC path, as the worker answers a client
+            results.append(_rpc(bufs, n))
+            continue
         task = rt.TaskContext(space, core)
         r = reg.run(cmd, np.frombuffer(bufs[ARGS_ADDR], np.uint8, 24), np.frombuffer(bufs[OUT_ADDR], np.uint8),
                     task)
@@ -194,6 +197,28 @@ def _driver(cases: list[dict], params: dict | None) -> list[dict]:
         results.append({"status": r.status, "cycles": r.cycles, "cost": task.cost_record, "printf": r.printf, "err": err})
     core.close()
     return results
+
+
+def _rpc(bufs: dict, n: int) -> dict:
+    """The firmware softmax as an RPC: rpc.PreparedRpc on a core's CoreOps, and the response it encodes."""
+    from dspx.abi import protocol as P
+    from dspx.abi.ops import SOFTMAX_CMD
+    from dspx.device import jobs
+    from dspx.device.core import rpc
+
+    class Core:  # what PreparedRpc.run needs of the worker
+        index, ops = 0, rpc.CoreOps(0)
+
+        def write_printf(self, target, text):
+            return 0
+
+    ids = {ARGS_ADDR: 1, DATA_ADDR: 2, OUT_ADDR: 3}
+    spec = jobs.RpcSpec(1, SOFTMAX_CMD, (1, 0, 24), (3, 0, 4 * n), [(ids[a], a, len(m)) for a, m in bufs.items()], None)
+    prepared = rpc.PreparedRpc(spec, {ids[a]: m for a, m in bufs.items()})
+    outcome = prepared.run(Core())
+    resp = P.decode(prepared.response(7, outcome, 0))
+    return {"status": resp.status, "cycles": resp.cycles, "cost": None, "err": 0.0,
+            "printf": outcome.answer[0].printf}
 
 
 def run_cases(tmp_path, cases: list[dict], params: dict | None = J6_LIKE) -> list[dict]:
@@ -322,6 +347,14 @@ def test_the_firmware_softmax_is_counted_under_a_cost_model(tmp_path, tcm):
     assert r["status"] == 0 and r["err"] < 1e-6 and c["counted"] is True
     assert r["cycles"] == c["cycles"] == c["overhead"] + c["compute"] + c["ddr_stall"] + c["dma_wait"]
     assert (c["tcm_loads"] > 0) == bool(tcm) and (sum(c["dma_transfers"]) > 0) == bool(tcm)
+
+
+def test_an_rpcs_cycles_are_the_modeled_cycles(tmp_path):
+    """The core's RPC response carries the modeled cycles: the same call's record, run directly, has them."""
+    direct, via_rpc = run_cases(tmp_path, [{"tcm": 1, "n": N_SEED, "lib": "builtin"},
+                                           {"tcm": 1, "n": N_SEED, "lib": "builtin", "rpc": True}])
+    assert via_rpc["status"] == 0 and via_rpc["cycles"] == direct["cost"]["cycles"] == direct["cycles"]
+    assert f"is {direct['cycles'] - direct['cost']['overhead']} cycles" in via_rpc["printf"]
 
 
 def test_a_plain_build_under_a_cost_model_runs_uncounted(tmp_path):
