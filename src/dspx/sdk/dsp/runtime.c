@@ -192,7 +192,7 @@ static uint64_t wall_ns(void) {
  * call's end) is a segment, costing its issue bound plus its stalls; a DMA
  * transfer starts when both the core has issued it and its channel is free;
  * a wait moves the clock to the channel's end.  One clock per thread (the
- * thread that runs the task); nothing here reads the host's clock. */
+ * thread that runs the task); no modeled figure reads the host's clock. */
 
 DSPX_EXPORT __thread struct dspx_cost_counters dspx_cost_tls;
 
