@@ -246,15 +246,38 @@ DSPX_INLINE dspx_v16i dspx_packvr(dspx_v16l w, int s) {
 DSPX_INLINE dspx_v16i dspx_packh(dspx_v16l w) { return __builtin_convertvector(w >> 32, dspx_v16i); }
 DSPX_INLINE dspx_v16i dspx_srl(dspx_v16i x, int s) { return (dspx_v16i)((dspx_v16u)x >> s); }
 
+/* ------------------------------------------------------------ exp tables */
+
+typedef union { uint32_t u; float f; } dspx_f32bits;
+
+static const float expftblf[7] __attribute__((unused)) = {
+    0.00021690608991775662f, 0.0012443081941455603f, 0.009678472764790058f, 0.05548352375626564f,
+    0.2402298003435135f, 0.6931470036506653f, 1.0f};
+static const int32_t invln2_Q30 __attribute__((unused)) = 1549082005; /* round(2^30 / ln 2) */
+/* [0] ln of the smallest denormal, [1] ln(FLT_MAX) = 88.72284 */
+static const dspx_f32bits expfminmax[2] __attribute__((unused)) = {{0xc2cff1b5u}, {0x42b17218u}};
+static const dspx_f32bits minus_inff_ __attribute__((unused)) = {0xff800000u};
+static const dspx_f32bits plus_inff __attribute__((unused)) = {0x7f800000u};
+
 /* ------------------------------------------------------------ counting (cost builds)
  * DSPX_LD(p) / DSPX_ST(p) count one vector load / store at p (TCM when p lies
- * in the running task's L2, else DDR); DSPX_OP(CLASS) prefixes an
+ * in the running task's L2 or is one of the exp tables, else DDR); DSPX_OP(CLASS) prefixes an
  * intrinsic's expression with one operation of its class (dspx/cost.h).
  * Without DSPX_COST they are nothing: the intrinsics compile as they did. */
 #if DSPX_COST
+/* The exp tables above are small constants a DSP's linker keeps in local
+ * data RAM (assumed; docs/cost-model.md): their loads count as TCM, like the
+ * Python runtime's. */
+DSPX_INLINE int dspx_cost_is_table(const void *p) {
+    const char *a = (const char *)p;
+    return (a >= (const char *)expftblf && a < (const char *)(expftblf + 7))
+        || a == (const char *)&invln2_Q30
+        || (a >= (const char *)expfminmax && a < (const char *)(expfminmax + 2))
+        || a == (const char *)&minus_inff_ || a == (const char *)&plus_inff;
+}
 DSPX_INLINE void dspx_cost_access(const void *p, int store) {
     struct dspx_cost_counters *c = &dspx_cost_tls;
-    uint64_t tcm = (uintptr_t)p - c->l2_lo < c->l2_size;
+    uint64_t tcm = (uintptr_t)p - c->l2_lo < c->l2_size || dspx_cost_is_table(p);
     if (store) {
         c->tcm_stores += tcm;
         c->ddr_stores += !tcm;
@@ -331,18 +354,5 @@ DSPX_INLINE valign dspx_valign0(void) { valign a = {0}; return a; }
 #define IVP_MULAHN_2X16X32_1(w, h, x) (DSPX_OP(MUL) ((w) = dspx_mulah16x32_1((w), (h), DSPX_VI(x))))
 #define IVP_PACKVRNRN_2X64W(w, s) (DSPX_OP(ALU) dspx_packvr((w), (s)))
 #define IVP_PACKHN_2X64W(w) (DSPX_OP(ALU) dspx_packh((w)))
-
-/* ------------------------------------------------------------ exp tables */
-
-typedef union { uint32_t u; float f; } dspx_f32bits;
-
-static const float expftblf[7] __attribute__((unused)) = {
-    0.00021690608991775662f, 0.0012443081941455603f, 0.009678472764790058f, 0.05548352375626564f,
-    0.2402298003435135f, 0.6931470036506653f, 1.0f};
-static const int32_t invln2_Q30 __attribute__((unused)) = 1549082005; /* round(2^30 / ln 2) */
-/* [0] ln of the smallest denormal, [1] ln(FLT_MAX) = 88.72284 */
-static const dspx_f32bits expfminmax[2] __attribute__((unused)) = {{0xc2cff1b5u}, {0x42b17218u}};
-static const dspx_f32bits minus_inff_ __attribute__((unused)) = {0xff800000u};
-static const dspx_f32bits plus_inff __attribute__((unused)) = {0x7f800000u};
 
 #endif /* DSPX_IVP_H */
