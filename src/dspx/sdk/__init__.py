@@ -10,6 +10,10 @@
 * ``build_cached(...)`` builds the device's own C (the runtime shim, the
   firmware softmax) once into the cache area "sdk" (``dspx.cache``:
   ``<cache>/sdk/dsp-<hash>/``), never into the package tree.
+* ``cost=True`` (build_ops, runtime_shim, builtin_softmax): the timing
+  model's build (``-DDSPX_COST=1``, dspx/cost.h): the intrinsics count
+  themselves and the shim keeps the modeled clock.  Cached apart from the
+  plain build, which it leaves exactly as it was.
 """
 from __future__ import annotations
 
@@ -43,6 +47,11 @@ LINK_FLAGS = ("-Wl,--as-needed", "-lm")
 #: warning it is in C.
 CXX_FLAGS = ("-fpermissive",)
 BUILD_TIMEOUT_S = 300
+#: A cost build.  gnu2 TLS descriptors: the counters (dspx_cost_tls, a
+#: thread-local of the shim) are reached without __tls_get_addr, so a
+#: counted library imports nothing outside the op export table and needs
+#: no ld-linux in DT_NEEDED.
+COST_FLAGS = ("-DDSPX_COST=1", "-mtls-dialect=gnu2")
 
 
 class BuildError(RuntimeError):
@@ -74,9 +83,10 @@ def _run(cmd: list[str]) -> str:
 
 
 def build_ops(sources: Sequence[str | Path], output: str | Path, extra_flags: Iterable[str] = (),
-              echo: bool = True) -> Path:
+              echo: bool = True, cost: bool = False) -> Path:
     """Compile ``sources`` into the op library ``output``; returns its path.
-    Warnings go to stderr (when ``echo``); errors raise BuildError."""
+    Warnings go to stderr (when ``echo``); errors raise BuildError.
+    ``cost``: a counted build for a device with a cost model (COST_FLAGS)."""
     sources = [Path(s) for s in sources]
     if not sources:
         raise BuildError("no source files")
@@ -84,7 +94,7 @@ def build_ops(sources: Sequence[str | Path], output: str | Path, extra_flags: It
         if not s.is_file():
             raise BuildError(f"{s}: no such file")
     output = Path(output)
-    extra = list(extra_flags)
+    extra = [*(COST_FLAGS if cost else ()), *extra_flags]
     cxx = any(s.suffix in CXX_SUFFIXES for s in sources)
     common = [*BASE_FLAGS, *SDK_FLAGS, cflags(), *extra]
     notes = []
@@ -150,17 +160,20 @@ def build_cached(name: str, sources: Sequence[Path], flags: Sequence[str] = (), 
     return out / name
 
 
-def runtime_shim() -> Path:
+def runtime_shim(cost: bool = False) -> Path:
     """The core's runtime shim (dsp/runtime.c, which takes the wire's status
-    codes from the generated dspx_wire.h), built once."""
+    codes from the generated dspx_wire.h), built once; ``cost``: the shim
+    that also keeps the modeled clock."""
     from . import gen_wire
 
     wire = gen_wire.include_dir(cache.area("sdk"))
-    return build_cached("libdspx_dsp_rt.so", [DSP_DIR / "runtime.c"],
-                        ["-Wall", "-Wextra", "-Werror", "-fvisibility=hidden", "-pthread", "-ldl", f"-I{wire}"],
-                        sdk=False)
+    return build_cached("libdspx_dsp_rt_cost.so" if cost else "libdspx_dsp_rt.so", [DSP_DIR / "runtime.c"],
+                        ["-Wall", "-Wextra", "-Werror", "-fvisibility=hidden", "-pthread", "-ldl", f"-I{wire}",
+                         *(COST_FLAGS if cost else ())], sdk=False)
 
 
-def builtin_softmax() -> Path:
-    """The firmware softmax (dsp/builtin_softmax.cc, cmd 0x1402), built once."""
-    return build_cached("builtin_softmax.so", [DSP_DIR / "builtin_softmax.cc"], ["-Wall", "-Wextra", "-Werror"])
+def builtin_softmax(cost: bool = False) -> Path:
+    """The firmware softmax (dsp/builtin_softmax.cc, cmd 0x1402), built once
+    (``cost``: counted)."""
+    return build_cached("builtin_softmax_cost.so" if cost else "builtin_softmax.so", [DSP_DIR / "builtin_softmax.cc"],
+                        ["-Wall", "-Wextra", "-Werror", *(COST_FLAGS if cost else ())])

@@ -101,6 +101,7 @@ def _softmax_paths(src, dst, tcm, tm) -> None:
 def register(registry) -> None:
     """Put the firmware operators into an OpRegistry: the C softmax."""
     from ... import sdk
+    from . import native
 
-    path = sdk.builtin_softmax()
+    path = sdk.builtin_softmax(cost=native.cost_on())  # counted when the core has a cost model
     registry.register_native(path.read_bytes(), path.name, names={SOFTMAX_CMD: "softmax"})

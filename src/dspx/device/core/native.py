@@ -22,6 +22,14 @@ mapped from a memfd and its ``hb_dsp_register_fn`` calls are collected.
 Handlers run through the runtime shim (src/dspx/sdk/dsp/runtime.c, loaded
 RTLD_GLOBAL so libraries resolve the SDK against it) by a ctypes call that
 releases the GIL: two cores — or two threads — run native ops in parallel.
+
+The timing model (issue 26): after ``configure_cost(params)`` — before the
+first native op, since the process then loads the cost build of the shim —
+a call of a counted library (built with ``cost=True``) runs between the
+shim's ``dspx_cost_begin``/``dspx_cost_end``; its cycles are the modeled
+cycles and its record (``COST-SPEC`` names) comes back beside the result.
+A plain library still runs, uncounted, on the host's clock: its record says
+``"counted": false``.
 """
 from __future__ import annotations
 
@@ -49,6 +57,8 @@ MAX_OPS = 256
 TEXT_CAP = 256 << 10
 DMA_TRACE_CAP = 4096  # transfers per channel the shim keeps for the trace (TRACE_CAP in runtime.c)
 R_X86_64_RELATIVE = 8
+COST_MARKER = "dspx_cost_build"  # defined by a cost build (dspx/dsp.h)
+COST_COUNTERS = "dspx_cost_tls"  # what a cost build's intrinsics import from the cost shim
 
 
 def is_native(source) -> bool:
@@ -165,6 +175,9 @@ def check(data: bytes, filename: str = "<oplib>") -> dict[int, set[str]]:
         raise OpLoadError(f"{filename}: malformed ELF: {type(e).__name__}: {e}") from None
     needed = [name for tag, name in tags if tag == "DT_NEEDED"]
     paths = [tag for tag, _ in tags if tag in ("DT_RPATH", "DT_RUNPATH")]
+    if COST_COUNTERS in undefined and not cost_on():
+        raise OpSymbolError(COST_COUNTERS, f"{filename}: is a cost build (--cost-model), and this device has no "
+                                           "cost model: rebuild it without --cost-model")
     bad = check_imports(undefined)
     if bad is not None:
         raise OpSymbolError(bad, f"{filename}: imports {bad!r}, which is not in the op export table "
@@ -182,17 +195,95 @@ def check(data: bytes, filename: str = "<oplib>") -> dict[int, set[str]]:
     return functions or {}
 
 
+# ------------------------------------------------------------------ the timing model
+
+#: The profile parameters the C model reads: struct dspx_cost_params (dspx/cost.h), in its order.
+COST_PARAMS = ("issue_load_store", "issue_alu", "issue_mul", "issue_special", "issue_move", "ddr_cached",
+               "ddr_load_latency_cycles", "ddr_store_cycles", "tcm_load_latency_cycles", "idma_setup_cycles",
+               "idma_bandwidth_bytes_per_cycle", "call_overhead_cycles")
+#: struct dspx_cost_record's scalar fields, in its order (then dma_bytes[2], dma_transfers[2]).
+COST_COUNTS = ("cycles", "overhead", "compute", "ddr_stall", "dma_wait", "ddr_loads", "ddr_stores", "tcm_loads",
+               "tcm_stores", "ops_alu", "ops_mul", "ops_special", "ops_move")
+
+
+class CostParams(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_double) for name in COST_PARAMS]
+
+
+class CostRecord(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in COST_COUNTS] + [
+        ("dma_bytes", ctypes.c_uint64 * 2), ("dma_transfers", ctypes.c_uint64 * 2)]
+
+    def as_dict(self) -> dict:
+        out = {name: getattr(self, name) for name in COST_COUNTS}
+        out["dma_bytes"], out["dma_transfers"] = list(self.dma_bytes), list(self.dma_transfers)
+        return out
+
+
+_cost: tuple[str, CostParams] | None = None  # (profile name, its parameters) while a cost model is on
+
+
+def configure_cost(params: dict | None, profile: str = "custom") -> None:
+    """Put this process's native ops under a cost model: ``params`` maps the
+    COST_PARAMS names to numbers (or to profile entries ``{"value": ...}``);
+    None switches counting off.  Before the first native op loads the shim
+    (a process that loaded the plain shim cannot count: RuntimeError)."""
+    global _cost
+    if params is None:
+        _cost = None
+        return
+    missing = [name for name in COST_PARAMS if name not in params]
+    if missing:
+        raise ValueError(f"cost model {profile!r}: no value for {', '.join(missing)}")
+    values = CostParams(*(float(v["value"] if isinstance(v, dict) else v) for v in map(params.get, COST_PARAMS)))
+    if _shim is not None and not _shim_counts:
+        raise RuntimeError("the plain runtime shim is already loaded: configure the cost model before the first "
+                           "native op")
+    previous, _cost = _cost, (profile, values)
+    try:
+        _configure(shim())  # the first call loads the cost shim
+    except BaseException:
+        _cost = previous
+        raise
+
+
+def cost_on() -> bool:
+    """Whether a cost model is configured (then the cost shim is, or will be, loaded)."""
+    return _cost is not None
+
+
+def _configure(lib: ctypes.CDLL) -> None:
+    profile, values = _cost
+    if lib.dspx_cost_configure(ctypes.byref(values)) != 0:
+        raise ValueError(f"cost model {profile!r}: the C model cannot use these values (issue rates and "
+                         "bandwidths > 0, cycle counts whole and >= 0, ddr_cached 0 or 1)")
+
+
+def _load_cost_api(lib: ctypes.CDLL) -> None:
+    lib.dspx_cost_configure.argtypes, lib.dspx_cost_configure.restype = [ctypes.POINTER(CostParams)], ctypes.c_int
+    lib.dspx_cost_begin.argtypes, lib.dspx_cost_begin.restype = [], None
+    lib.dspx_cost_end.argtypes, lib.dspx_cost_end.restype = [ctypes.POINTER(CostRecord)], None
+    lib.dspx_cost_abi.argtypes, lib.dspx_cost_abi.restype = [], ctypes.c_uint32
+    abi = lib.dspx_cost_abi()
+    if (abi & 0xffff, abi >> 16) != (ctypes.sizeof(CostParams), ctypes.sizeof(CostRecord)):
+        raise RuntimeError("dspx/cost.h and native.CostParams/CostRecord disagree on the structs' layout")
+
+
 # ------------------------------------------------------------------ the runtime shim
 
 _shim = None
+_shim_counts = False  # the loaded shim is the cost build
 
 
 def shim() -> ctypes.CDLL:
-    """The runtime shim, built on first use and loaded RTLD_GLOBAL."""
-    global _shim
+    """The runtime shim, built on first use and loaded RTLD_GLOBAL (its cost
+    build when a cost model is configured)."""
+    global _shim, _shim_counts
     if _shim is None:
         from ... import sdk
-        lib = ctypes.CDLL(str(sdk.runtime_shim()), mode=ctypes.RTLD_GLOBAL)
+        lib = ctypes.CDLL(str(sdk.runtime_shim(cost=cost_on())), mode=ctypes.RTLD_GLOBAL)
+        if cost_on():
+            _load_cost_api(lib)
         P, I, U64, SZ = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_size_t
         lib.dspx_rt_new.argtypes, lib.dspx_rt_new.restype = [P, SZ], P
         lib.dspx_rt_free.argtypes, lib.dspx_rt_free.restype = [P], None
@@ -209,7 +300,9 @@ def shim() -> ctypes.CDLL:
         lib.dspx_rt_broken.argtypes, lib.dspx_rt_broken.restype = [P], ctypes.c_char_p
         lib.dspx_rt_take_dma.argtypes = [P, ctypes.c_int32, ctypes.POINTER(U64), SZ, ctypes.POINTER(ctypes.c_int64)]
         lib.dspx_rt_take_dma.restype = SZ
-        _shim = lib
+        _shim, _shim_counts = lib, cost_on()
+        if _shim_counts:
+            _configure(lib)
     return _shim
 
 
@@ -224,14 +317,18 @@ class Context:
             raise MemoryError("cannot create the native runtime context")
         self._text = ctypes.create_string_buffer(TEXT_CAP)
         self._rv, self._cycles, self._dropped = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64()
+        self._record = CostRecord()
 
     def close(self) -> None:
         if self.ptr:
             shim().dspx_rt_free(self.ptr)
             self.ptr = None
 
-    def run(self, fn: int, input: np.ndarray, output: np.ndarray, space) -> tuple[int, int, int, str]:
-        """(fault status, handler return, cycles, printf text) of one task."""
+    def run(self, fn: int, input: np.ndarray, output: np.ndarray, space,
+            counted: bool = False) -> tuple[int, int, int, str, dict | None]:
+        """(fault status, handler return, cycles, printf text, cost record) of
+        one task.  The record is None without a cost model; ``counted`` (a
+        cost build's handler) runs it on the modeled clock."""
         rt = shim()
         triples = []
         for r in getattr(space, "regions", {}).values():
@@ -239,16 +336,26 @@ class Context:
                 triples += (r.addr, r.size, np.frombuffer(r.mm, np.uint8).__array_interface__["data"][0])
         table = (ctypes.c_uint64 * len(triples))(*triples)
         rt.dspx_rt_set_regions(self.ptr, len(triples) // 3, table)
+        counted = counted and _shim_counts and _cost is not None
+        if counted:
+            rt.dspx_cost_begin()
         fault = rt.dspx_rt_run(self.ptr, fn, input.__array_interface__["data"][0], input.nbytes,
                                output.__array_interface__["data"][0], output.nbytes,
                                ctypes.byref(self._rv), ctypes.byref(self._cycles))
+        cycles, record = self._cycles.value, None
+        if _cost is not None:
+            record = {"profile": _cost[0], "estimate": True, "counted": counted}
+        if counted:
+            rt.dspx_cost_end(ctypes.byref(self._record))
+            record.update(self._record.as_dict())
+            cycles = record["cycles"]
         if trace.on:
             self._trace_dma(rt)
         n = rt.dspx_rt_take_text(self.ptr, self._text, TEXT_CAP, ctypes.byref(self._dropped))
         text = self._text.raw[:n].decode("utf-8", "replace") if n else ""
         if self._dropped.value:
             text = f"[dspx] printf: {self._dropped.value} earlier bytes dropped\n" + text
-        return fault, self._rv.value, self._cycles.value, text
+        return fault, self._rv.value, cycles, text, record
 
     def _trace_dma(self, rt) -> None:
         """The task's transfers, which the shim's DMA threads stamp with
@@ -280,18 +387,20 @@ def context_of(core) -> Context:
     return ctx
 
 
-def run(op: "NativeOp", input: np.ndarray, output: np.ndarray, task) -> tuple[int, int, int, str]:
-    """(status, return value, cycles, printf text).  A handler that returns
-    non-zero after an SDK call failed ends with that call's status (ERR_ADDR
-    for a bad hb_dsp_mem_map ...), and the return value repeats it."""
+def run(op: "NativeOp", input: np.ndarray, output: np.ndarray, task) -> tuple[int, int, int, str, dict | None]:
+    """(status, return value, cycles, printf text, cost record).  A handler
+    that returns non-zero after an SDK call failed ends with that call's
+    status (ERR_ADDR for a bad hb_dsp_mem_map ...), and the return value
+    repeats it.  With a cost model on, cycles are the modeled ones (for a
+    counted library) and the record holds the call's breakdown and counts."""
     ctx = context_of(task.core)
-    fault, rv, cycles, text = ctx.run(op.fn, input, output, task.space)
+    fault, rv, cycles, text, record = ctx.run(op.fn, input, output, task.space, op.lib.counted)
     broken = ctx.broken()
     if broken:
         raise RuntimeBroken(f"native op {op.name} broke the core's runtime: {broken}; the core restarts")
     if fault and rv != 0:
-        return fault, fault, cycles, text
-    return int(Status.SUCCESS), rv, cycles, text
+        return fault, fault, cycles, text, record
+    return int(Status.SUCCESS), rv, cycles, text, record
 
 
 # ------------------------------------------------------------------ loading
@@ -348,6 +457,14 @@ def _probe(fd: int, filename: str) -> None:
                           f"{out.exit_code})")
 
 
+def _defines(dll: ctypes.CDLL, name: str) -> bool:
+    try:
+        getattr(dll, name)
+    except AttributeError:
+        return False
+    return True
+
+
 class NativeLibrary:
     """A checked, mapped native library and the ops its init registered:
     ``ops`` is a list of (cmd, NativeOp, latency_us)."""
@@ -359,6 +476,7 @@ class NativeLibrary:
         self.filename = filename
         self._fd = os.memfd_create("dspx-oplib", os.MFD_CLOEXEC)
         self._dll = None
+        self.counted = False  # a cost build: its calls run on the modeled clock
         try:
             view = memoryview(bytes(data))
             while view:
@@ -372,6 +490,7 @@ class NativeLibrary:
                 self._dll = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
             except OSError as e:
                 raise OpLoadError(f"{filename}: dynamic loading failed: {e}") from None
+            self.counted = _defines(self._dll, COST_MARKER)
             init = getattr(self._dll, INIT_SYMBOL)
             init.restype = ctypes.c_int
             rt.dspx_rt_collect_begin()

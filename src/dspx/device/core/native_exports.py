@@ -23,6 +23,10 @@ SDK: tuple[str, ...] = (
     "DmaUtilsAutoInc3d_deconfigure", "dspx_printf", "dspx_log", "dspx_cycles", "dspx_ivp_guarded_load",
 )
 
+#: What a cost build (``dspx build-ops --cost-model``) imports besides: the
+#: counters its intrinsics bump, a thread-local of the cost shim (dspx/cost.h).
+COST: tuple[str, ...] = ("dspx_cost_tls",)
+
 #: libc: memory and string functions, formatting into a buffer, heap, sorting.
 LIBC: tuple[str, ...] = (
     "memcpy", "memmove", "memset", "memcmp", "memchr", "strlen", "strnlen", "strcmp", "strncmp", "strchr",
@@ -40,7 +44,7 @@ LIBM: tuple[str, ...] = tuple(f for name in _MATH for f in (name, name + "f"))
 BOILERPLATE: tuple[str, ...] = ("__cxa_finalize", "__gmon_start__", "_ITM_deregisterTMCloneTable",
                                 "_ITM_registerTMCloneTable")
 
-OP_EXPORTS: frozenset[str] = frozenset(SDK + LIBC + LIBM + BOILERPLATE)
+OP_EXPORTS: frozenset[str] = frozenset(SDK + COST + LIBC + LIBM + BOILERPLATE)
 
 #: The only shared libraries a native library may name in DT_NEEDED are the
 #: modules' ones: exports.ALLOWED_NEEDED.
@@ -56,6 +60,7 @@ def check_imports(undefined: Iterable[str]) -> str | None:
 
 def markdown() -> str:
     """The table as docs/custom-ops.md shows it."""
+    # COST is not printed yet: docs/custom-ops.md gains its row with the cost model's docs
     rows = [("SDK (runtime shim)", SDK), ("libc", LIBC), ("libm", LIBM), ("boilerplate (weak)", BOILERPLATE)]
     out = ["| group | symbols |", "|---|---|"]
     out += [f"| {group} | {', '.join(f'`{n}`' for n in names)} |" for group, names in rows]

@@ -315,9 +315,9 @@ class OpRegistry:
         if op is None:
             raise NoSuchOp(cmd)
         if isinstance(op.handler, native.NativeOp):
-            status, rv, elapsed, text = native.run(op.handler, input, output, task)
+            status, rv, elapsed, text, task.cost_record = native.run(op.handler, input, output, task)
             task.write(text)
-            return OpResult(status, rv, elapsed, task.printf_text())
+            return OpResult(status, rv, elapsed, task.printf_text(), task.cost_record)
         status = Status.SUCCESS
         with runtime.activate(task):
             start = runtime.cycles()

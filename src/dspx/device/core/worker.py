@@ -400,9 +400,15 @@ class CoreWorker:
         (the only process that forks for this core) are forked; then Landlock
         (reads beneath the interpreter's and libraries' trees, no writes, no
         signals outside) and the core's seccomp filter."""
+        from . import native
+        if self.cost is not None:  # before the shim loads, so the core and its probe zygote load the cost build
+            try:
+                native.configure_cost(self.cost.values(), self.cost.name)
+            except ValueError as e:  # a profile without a vector DSP's parameters: C ops run on the host clock
+                os.write(2, f"dspx-core {self.index}: native ops not counted: {e}\n".encode())
         if not sandbox.enabled():
             return
-        from . import native, planner
+        from . import planner
         from ...log import setup  # the host's logging setup, level from $DSPX_LOG_LEVEL
         log = setup(prefix="dspx-core")
         native.shim()

@@ -9,6 +9,10 @@
  * mem_maps, printf text and the first error an SDK call reported.  The
  * handler runs on the thread that called dspx_rt_run; SDK calls find the
  * context through a thread-local.
+ *
+ * Built with -DDSPX_COST=1 (the cost shim, dspx.sdk.runtime_shim(cost=True))
+ * it also keeps the timing model's clock (dspx/cost.h): counted vector work
+ * between synchronisation points, and a timeline per DMA channel.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -174,11 +178,160 @@ DSPX_EXPORT void dspx_log(int level, const char *fmt, ...) {
     va_end(ap);
 }
 
-DSPX_EXPORT uint64_t dspx_cycles(void) {
+/* The host's clock: what the runtime itself times (spins, the trace) with. */
+static uint64_t wall_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
+
+#if DSPX_COST
+/* ------------------------------------------------------------ the timing model (cost builds)
+ * The rules are COST-SPEC's (and dspx.costmodel.clock's): the work counted
+ * between two synchronisation points (a DMA issue or wait, a clock read, the
+ * call's end) is a segment, costing its issue bound plus its stalls; a DMA
+ * transfer starts when both the core has issued it and its channel is free;
+ * a wait moves the clock to the channel's end.  One clock per thread (the
+ * thread that runs the task); no modeled figure reads the host's clock. */
+
+DSPX_EXPORT __thread struct dspx_cost_counters dspx_cost_tls;
+
+struct cost_model {
+    double rate[DSPX_COST_CLASSES], ls_rate, dma_rate;
+    uint64_t ddr_load, ddr_store, tcm_load, dma_setup, overhead;
+    int configured;
+};
+static struct cost_model model;
+
+struct cost_clock {
+    int on;
+    uint64_t t, overhead, compute, ddr_stall, dma_wait;
+    uint64_t chan_free[DSPX_DMA_CHANNELS], dma_bytes[DSPX_DMA_CHANNELS], dma_transfers[DSPX_DMA_CHANNELS];
+    struct dspx_cost_counters seg; /* the counters when the open segment began */
+};
+static __thread struct cost_clock clk;
+
+/* ceil(n / rate) for rate > 0, in doubles as Python's math.ceil(n / rate). */
+static uint64_t ceil_div(uint64_t n, double rate) {
+    double x = (double)n / rate;
+    uint64_t q = (uint64_t)x;
+    return q + ((double)q < x);
+}
+
+static int whole_cycles(double v, uint64_t *out) {
+    if (!(v >= 0 && v < 9.0e15) || v != (double)(uint64_t)v)
+        return -1;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+DSPX_EXPORT int dspx_cost_configure(const struct dspx_cost_params *p) {
+    double rates[] = {p->issue_alu, p->issue_mul, p->issue_special, p->issue_move, p->issue_load_store,
+                      p->idma_bandwidth_bytes_per_cycle};
+    for (size_t i = 0; i < sizeof rates / sizeof rates[0]; i++)
+        if (!(rates[i] > 0))
+            return -1;
+    struct cost_model m = {.ls_rate = p->issue_load_store, .dma_rate = p->idma_bandwidth_bytes_per_cycle, .configured = 1};
+    if ((p->ddr_cached != 0 && p->ddr_cached != 1) || whole_cycles(p->ddr_load_latency_cycles, &m.ddr_load) ||
+        whole_cycles(p->ddr_store_cycles, &m.ddr_store) || whole_cycles(p->tcm_load_latency_cycles, &m.tcm_load) ||
+        whole_cycles(p->idma_setup_cycles, &m.dma_setup) || whole_cycles(p->call_overhead_cycles, &m.overhead))
+        return -1;
+    if (p->ddr_cached != 0)
+        m.ddr_load = 0; /* a cached DDR load costs its issue slot only */
+    memcpy(m.rate, rates, sizeof m.rate);
+    model = m;
+    return 0;
+}
+
+DSPX_EXPORT void dspx_cost_begin(void) {
+    uintptr_t lo = dspx_cost_tls.l2_lo, size = dspx_cost_tls.l2_size;
+    memset(&clk, 0, sizeof clk);
+    memset(&dspx_cost_tls, 0, sizeof dspx_cost_tls);
+    dspx_cost_tls.l2_lo = lo;
+    dspx_cost_tls.l2_size = size;
+    clk.on = model.configured;
+    clk.t = clk.overhead = model.overhead;
+    clk.seg = dspx_cost_tls;
+}
+
+static void cost_set_l2(const uint8_t *lo, size_t size) {
+    dspx_cost_tls.l2_lo = (uintptr_t)lo;
+    dspx_cost_tls.l2_size = size;
+}
+
+/* Book the open segment: its issue bound as compute, its stalls as ddr_stall. */
+static void cost_segment(void) {
+    if (!clk.on)
+        return;
+    const struct dspx_cost_counters *n = &dspx_cost_tls, *s = &clk.seg;
+    uint64_t ddr_ld = n->ddr_loads - s->ddr_loads, ddr_st = n->ddr_stores - s->ddr_stores;
+    uint64_t tcm_ld = n->tcm_loads - s->tcm_loads, tcm_st = n->tcm_stores - s->tcm_stores;
+    uint64_t issue = ceil_div(ddr_ld + ddr_st + tcm_ld + tcm_st, model.ls_rate);
+    for (int k = 0; k < DSPX_COST_CLASSES; k++) {
+        uint64_t cyc = ceil_div(n->ops[k] - s->ops[k], model.rate[k]);
+        issue = cyc > issue ? cyc : issue;
+    }
+    uint64_t stall = ddr_ld * model.ddr_load + ddr_st * model.ddr_store + tcm_ld * model.tcm_load;
+    clk.compute += issue;
+    clk.ddr_stall += stall;
+    clk.t += issue + stall;
+    clk.seg = *n;
+}
+
+static void cost_dma_issue(int ch, uint64_t bytes) {
+    if (!clk.on)
+        return;
+    cost_segment();
+    uint64_t start = clk.t > clk.chan_free[ch] ? clk.t : clk.chan_free[ch];
+    clk.chan_free[ch] = start + model.dma_setup + ceil_div(bytes, model.dma_rate);
+    clk.dma_bytes[ch] += bytes;
+    clk.dma_transfers[ch]++;
+}
+
+static void cost_dma_wait(int ch) {
+    if (!clk.on)
+        return;
+    cost_segment();
+    if (clk.chan_free[ch] > clk.t) {
+        clk.dma_wait += clk.chan_free[ch] - clk.t;
+        clk.t = clk.chan_free[ch];
+    }
+}
+
+DSPX_EXPORT void dspx_cost_end(struct dspx_cost_record *r) {
+    for (int k = 0; k < DSPX_DMA_CHANNELS; k++) /* transfers still running are waited for */
+        cost_dma_wait(k);
+    cost_segment();
+    const struct dspx_cost_counters *n = &dspx_cost_tls;
+    *r = (struct dspx_cost_record){
+        .cycles = clk.t, .overhead = clk.overhead, .compute = clk.compute, .ddr_stall = clk.ddr_stall,
+        .dma_wait = clk.dma_wait, .ddr_loads = n->ddr_loads, .ddr_stores = n->ddr_stores,
+        .tcm_loads = n->tcm_loads, .tcm_stores = n->tcm_stores, .ops_alu = n->ops[DSPX_COST_ALU],
+        .ops_mul = n->ops[DSPX_COST_MUL], .ops_special = n->ops[DSPX_COST_SPECIAL], .ops_move = n->ops[DSPX_COST_MOVE]};
+    memcpy(r->dma_bytes, clk.dma_bytes, sizeof r->dma_bytes);
+    memcpy(r->dma_transfers, clk.dma_transfers, sizeof r->dma_transfers);
+    clk.on = 0;
+}
+
+/* The sizes of the two structs, for the host's ctypes mirror to check. */
+DSPX_EXPORT uint32_t dspx_cost_abi(void) {
+    return (uint32_t)(sizeof(struct dspx_cost_params) | sizeof(struct dspx_cost_record) << 16);
+}
+
+/* A clock read is a synchronisation point: the modeled clock while a call is
+ * counted, the host's otherwise. */
+DSPX_EXPORT uint64_t dspx_cycles(void) {
+    if (!clk.on)
+        return wall_ns();
+    cost_segment();
+    return clk.t;
+}
+#else
+#define cost_dma_issue(ch, bytes) ((void)0)
+#define cost_dma_wait(ch) ((void)0)
+#define cost_set_l2(lo, size) ((void)0)
+DSPX_EXPORT uint64_t dspx_cycles(void) { return wall_ns(); }
+#endif
 
 DSPX_EXPORT size_t dspx_input_size(void) { return cur ? cur->in_size : 0; }
 DSPX_EXPORT size_t dspx_output_size(void) { return cur ? cur->out_size : 0; }
@@ -401,9 +554,13 @@ DSPX_EXPORT int32_t xvFreeBuffer(xvTileManager *tm, void const *buf) {
              "xvAllocateBuffer)", buf);
         return XVTM_ERROR;
     }
-    for (int k = 0; k < DSPX_DMA_CHANNELS; k++)
-        if (pinned(c, k, c->tiles[i].off) && wait_channel(c, k) != 0)
+    for (int k = 0; k < DSPX_DMA_CHANNELS; k++) {
+        if (!pinned(c, k, c->tiles[i].off))
+            continue;
+        cost_dma_wait(k);
+        if (wait_channel(c, k) != 0)
             return XVTM_ERROR;
+    }
     memmove(&c->tiles[i], &c->tiles[i + 1], (size_t)(c->ntiles - i - 1) * sizeof c->tiles[0]);
     c->ntiles--;
     return XVTM_SUCCESS;
@@ -478,15 +635,18 @@ DSPX_EXPORT int32_t dspx_idma_copy(int32_t chn, const void *src, void *dst, int3
     if (dma_range_ok(c, jb.src, jb.n, &jb.tiles[0], &jb.tile_off[0], "source") ||
         dma_range_ok(c, jb.dst, jb.n, &jb.tiles[1], &jb.tile_off[1], "destination"))
         return c->fault;
-    return submit(c, chn, &jb);
+    int32_t t = submit(c, chn, &jb);
+    if (t >= 0)
+        cost_dma_issue(chn, jb.n);
+    return t;
 }
 
 static int32_t wait_channel(struct dspx_ctx *c, int32_t chn) {
     struct channel *ch = &c->ch[chn];
     uint64_t target = LOAD(ch->submitted);
     if (LOAD(ch->done) != target) {
-        uint64_t t0 = dspx_cycles();
-        while (LOAD(ch->done) != target && dspx_cycles() - t0 < SPIN_NS)
+        uint64_t t0 = wall_ns();
+        while (LOAD(ch->done) != target && wall_ns() - t0 < SPIN_NS)
             __builtin_ia32_pause();
     }
     struct timespec dl;
@@ -508,7 +668,10 @@ static int32_t wait_channel(struct dspx_ctx *c, int32_t chn) {
 
 DSPX_EXPORT int32_t dspx_idma_wait(int32_t chn) {
     int bad = channel_ok(cur, chn, "IDMA_WAIT");
-    return bad ? bad : wait_channel(cur, chn);
+    if (bad)
+        return bad;
+    cost_dma_wait(chn);
+    return wait_channel(cur, chn);
 }
 
 /* The stream offset `start` of a pattern as loop indices. */
@@ -563,7 +726,7 @@ static void *dma_worker(void *arg) {
             continue;
         }
         struct job jb = ch->q[next % QCAP]; /* written before submitted was released */
-        uint64_t t0 = ch->trace ? dspx_cycles() : 0;
+        uint64_t t0 = ch->trace ? wall_ns() : 0;
         if (jb.strided)
             run_strided(&jb);
         else
@@ -571,7 +734,7 @@ static void *dma_worker(void *arg) {
         if (ch->trace) {
             struct dma_rec *r = &ch->trace[ch->ntrace++ % TRACE_CAP];
             r->t0 = t0;
-            r->t1 = dspx_cycles();
+            r->t1 = wall_ns();
             r->bytes = jb.n;
         }
         pthread_mutex_lock(&ch->mu);
@@ -673,6 +836,7 @@ DSPX_EXPORT int32_t DmaUtilsAutoInc3d_trigger(int32_t chn) {
     int32_t t = submit(c, chn, &jb);
     if (t < 0)
         return t;
+    cost_dma_issue(chn, jb.n);
     ai->next++;
     return (int32_t)(ai->nblocks - ai->next);
 }
@@ -699,11 +863,11 @@ DSPX_EXPORT struct dspx_ctx *dspx_rt_new(void *l2, size_t l2_size) {
     }
     if (canary_key == 0) {
         if (syscall(SYS_getrandom, &canary_key, sizeof canary_key, 0) != (long)sizeof canary_key)
-            canary_key = dspx_cycles();
+            canary_key = wall_ns();
         canary_key |= 1;
     }
     if (syscall(SYS_getrandom, &c->tm_seed, sizeof c->tm_seed, 0) != (long)sizeof c->tm_seed)
-        c->tm_seed = dspx_cycles() * 0x9E3779B97F4A7C15ull;
+        c->tm_seed = wall_ns() * 0x9E3779B97F4A7C15ull;
     c->canary_lo = c->canary_hi = canary_of(c);
     c->l2 = l2;
     c->l2_size = l2_size;
@@ -842,9 +1006,11 @@ DSPX_EXPORT int dspx_rt_run(struct dspx_ctx *c, handle_fn fn, void *in, size_t i
     c->out = out;
     c->out_size = out_size;
     c->tm_handle = TM_TAG | ((c->tm_seed + ++c->tasks * 0x9E3779B97F4A7C15ull) & TM_MASK);
-    uint64_t t0 = dspx_cycles();
+    uint64_t t0 = wall_ns();
+    cost_set_l2(c->l2, c->l2_size);
     *rv = fn(in, out, (void *)(uintptr_t)c->tm_handle);
-    *elapsed = dspx_cycles() - t0;
+    cost_set_l2(NULL, 0);
+    *elapsed = wall_ns() - t0;
     c->tm_handle = 0; /* stale from here on */
     if (dspx_rt_check(c, 0)) { /* the handler broke the runtime: settling could hang on it */
         cur = saved;

@@ -33,6 +33,8 @@
 #include <stdbool.h>
 #endif
 
+#include "cost.h"
+
 #ifdef __cplusplus
 #define restrict __restrict
 extern "C" {
@@ -164,7 +166,9 @@ void dspx_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 
 #define DSP_LOGI(...) do { if (DSP_LOG_LEVEL <= 1) dspx_log(1, __VA_ARGS__); } while (0)
 #define DSP_LOGE(...) dspx_log(2, __VA_ARGS__)
 
-/* The 64-bit cycle counter: CLOCK_MONOTONIC ns at the nominal 1 GHz. */
+/* The 64-bit cycle counter: CLOCK_MONOTONIC ns at the nominal 1 GHz; while
+ * a cost model counts the call (dspx/cost.h), the modeled clock instead:
+ * cycles since the call began, its overhead included. */
 uint64_t dspx_cycles(void);
 /* Declares var and stores the counter in it (the seed: TIME_STAMP(cycles_start);). */
 #define TIME_STAMP(var) uint64_t var = dspx_cycles()
@@ -181,6 +185,16 @@ void dspx_ivp_guarded_load(const void *p, void *out, int nbytes);
 
 #ifdef __cplusplus
 }
+#endif
+
+#if DSPX_COST
+/* Marks a cost build: the core counts its calls (a plain build's record
+ * says "counted": false). */
+#ifdef __cplusplus
+extern "C" __attribute__((weak, visibility("default"))) const int dspx_cost_build = 1;
+#else
+__attribute__((weak, visibility("default"))) const int dspx_cost_build = 1;
+#endif
 #endif
 
 /* The seed's listing assigns its profile to this without declaring it. */

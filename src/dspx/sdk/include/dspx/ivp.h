@@ -246,60 +246,6 @@ DSPX_INLINE dspx_v16i dspx_packvr(dspx_v16l w, int s) {
 DSPX_INLINE dspx_v16i dspx_packh(dspx_v16l w) { return __builtin_convertvector(w >> 32, dspx_v16i); }
 DSPX_INLINE dspx_v16i dspx_srl(dspx_v16i x, int s) { return (dspx_v16i)((dspx_v16u)x >> s); }
 
-/* ------------------------------------------------------------ the intrinsics */
-
-DSPX_INLINE valign dspx_valign0(void) { valign a = {0}; return a; }
-#define IVP_LAN_2XF32_PP(p) ((void)(p), dspx_valign0())
-#define IVP_ZALIGN() dspx_valign0()
-#define IVP_LAN_2XF32_IP(v, a, p) \
-    do { (void)(a); (v) = dspx_load64((p)); DSPX_ADVANCE(p, 64); } while (0)
-#define IVP_LAVN_2XF32_XP(v, a, p, n) \
-    do { (void)(a); int32_t k_ = dspx_clamp64((intptr_t)(n)); (v) = dspx_loadn((p), k_); DSPX_ADVANCE(p, k_); } while (0)
-#define IVP_SAN_2XF32_IP(v, a, p) \
-    do { (void)(a); dspx_storen((p), DSPX_VF(v), 64); DSPX_ADVANCE(p, 64); } while (0)
-#define IVP_SAVN_2XF32_XP(v, a, p, n) \
-    do { (void)(a); int32_t k_ = dspx_clamp64((intptr_t)(n)); dspx_storen((p), DSPX_VF(v), k_); DSPX_ADVANCE(p, k_); } while (0)
-#define IVP_SAPOSN_2XF32_FP(a, p) do { (void)(a); (void)(p); } while (0)
-#define IVP_LSN_2X32_I(p, off) \
-    __extension__({ int32_t s_; memcpy(&s_, (const char *)(p) + (off), 4); DSPX_VI(s_); })
-#define IVP_LSRN_2XF32_IP(v, p, inc) \
-    do { float s_; memcpy(&s_, (p), 4); (v) = DSPX_VF(s_); DSPX_ADVANCE(p, (inc)); } while (0)
-#define IVP_LSRN_2XF32_XP(v, p, inc) IVP_LSRN_2XF32_IP(v, p, inc)
-
-#define IVP_ADDN_2XF32(a, b) (DSPX_VF(a) + DSPX_VF(b))
-#define IVP_SUBN_2XF32(a, b) (DSPX_VF(a) - DSPX_VF(b))
-#define IVP_MULN_2XF32(a, b) (DSPX_VF(a) * DSPX_VF(b))
-#define IVP_MULAN_2XF32(acc, a, b) ((acc) = DSPX_VF(acc) + DSPX_VF(a) * DSPX_VF(b))
-#define IVP_MAXN_2XF32(a, b) dspx_maxf(DSPX_VF(a), DSPX_VF(b))
-#define IVP_RADDN_2XF32(v) dspx_raddf(DSPX_VF(v))
-#define IVP_MAXN_2XF32T(r, a, b, t) ((r) = dspx_self((t), dspx_maxf(DSPX_VF(a), DSPX_VF(b)), DSPX_VF(r)))
-#define IVP_ADDN_2XF32T(r, a, b, t) ((r) = dspx_self((t), DSPX_VF(a) + DSPX_VF(b), DSPX_VF(r)))
-#define IVP_MOVN_2XF32T(a, b, t) dspx_self((t), DSPX_VF(a), DSPX_VF(b))
-
-#define IVP_UNN_2XF32(a, b) ((DSPX_VF(a) != DSPX_VF(a)) | (DSPX_VF(b) != DSPX_VF(b)))
-#define IVP_ULEN_2XF32(a, b) (~(DSPX_VF(a) > DSPX_VF(b)))
-#define IVP_UEQN_2XF32(a, b) (~((DSPX_VF(a) < DSPX_VF(b)) | (DSPX_VF(a) > DSPX_VF(b))))
-#define IVP_LTRSN_2(n) dspx_ltrs((int32_t)(n))
-
-#define IVP_SELN_2XF32I(a, b, k) dspx_rotr(DSPX_VF(b), DSPX_VF(a), (k))
-#define IVP_MOVF32_FROMN_2XF32(v) (DSPX_VF(v)[0])
-
-#define IVP_TRUNCN_2XF32(x, s) dspx_truncf(DSPX_VF(x), (s))
-#define IVP_FLOATN_2X32(x, s) dspx_floati(DSPX_VI(x), (s))
-#define IVP_MOVN_2XF32_FROMN_2X32(x) ((dspx_v16f)DSPX_VI(x))
-#define IVP_MOVNX16_FROMN_2X32(x) ((dspx_v32h)DSPX_VI(x))
-
-#define IVP_ADDN_2X32(a, b) (DSPX_VI(a) + DSPX_VI(b))
-#define IVP_SUBN_2X32(a, b) (DSPX_VI(a) - DSPX_VI(b))
-#define IVP_SLLIN_2X32(x, s) ((dspx_v16i)((dspx_v16u)DSPX_VI(x) << (s)))
-#define IVP_SRLIN_2X32(x, s) dspx_srl(DSPX_VI(x), (s))
-#define IVP_SRLIN_2X32U(x, s) dspx_srl(DSPX_VI(x), (s))
-
-#define IVP_MULN_2X16X32_0(h, x) dspx_mul16x32_0((h), DSPX_VI(x))
-#define IVP_MULAHN_2X16X32_1(w, h, x) ((w) = dspx_mulah16x32_1((w), (h), DSPX_VI(x)))
-#define IVP_PACKVRNRN_2X64W(w, s) dspx_packvr((w), (s))
-#define IVP_PACKHN_2X64W(w) dspx_packh((w))
-
 /* ------------------------------------------------------------ exp tables */
 
 typedef union { uint32_t u; float f; } dspx_f32bits;
@@ -312,5 +258,101 @@ static const int32_t invln2_Q30 __attribute__((unused)) = 1549082005; /* round(2
 static const dspx_f32bits expfminmax[2] __attribute__((unused)) = {{0xc2cff1b5u}, {0x42b17218u}};
 static const dspx_f32bits minus_inff_ __attribute__((unused)) = {0xff800000u};
 static const dspx_f32bits plus_inff __attribute__((unused)) = {0x7f800000u};
+
+/* ------------------------------------------------------------ counting (cost builds)
+ * DSPX_LD(p) / DSPX_ST(p) count one vector load / store at p (TCM when p lies
+ * in the running task's L2 or is one of the exp tables, else DDR); DSPX_OP(CLASS) prefixes an
+ * intrinsic's expression with one operation of its class (dspx/cost.h).
+ * Without DSPX_COST they are nothing: the intrinsics compile as they did. */
+#if DSPX_COST
+/* The exp tables above are small constants a DSP's linker keeps in local
+ * data RAM (assumed; docs/cost-model.md): their loads count as TCM, like the
+ * Python runtime's. */
+DSPX_INLINE int dspx_cost_is_table(const void *p) {
+    const char *a = (const char *)p;
+    return (a >= (const char *)expftblf && a < (const char *)(expftblf + 7))
+        || a == (const char *)&invln2_Q30
+        || (a >= (const char *)expfminmax && a < (const char *)(expfminmax + 2))
+        || a == (const char *)&minus_inff_ || a == (const char *)&plus_inff;
+}
+DSPX_INLINE void dspx_cost_access(const void *p, int store) {
+    struct dspx_cost_counters *c = &dspx_cost_tls;
+    uint64_t tcm = (uintptr_t)p - c->l2_lo < c->l2_size || dspx_cost_is_table(p);
+    if (store) {
+        c->tcm_stores += tcm;
+        c->ddr_stores += !tcm;
+    } else {
+        c->tcm_loads += tcm;
+        c->ddr_loads += !tcm;
+    }
+}
+DSPX_INLINE void dspx_cost_op(int cls) { dspx_cost_tls.ops[cls]++; }
+#define DSPX_LD(p) dspx_cost_access((p), 0)
+#define DSPX_ST(p) dspx_cost_access((p), 1)
+#define DSPX_OP(cls) dspx_cost_op(DSPX_COST_##cls),
+#else
+#define DSPX_LD(p) ((void)0)
+#define DSPX_ST(p) ((void)0)
+#define DSPX_OP(cls)
+#endif
+
+/* ------------------------------------------------------------ the intrinsics
+ * Classes (COST-SPEC): ALU = add, sub, max, compare, select, logic, shifts,
+ * conversions (PACK included); MUL = multiplies and multiply-accumulates;
+ * SPECIAL = the lane reduction RADD; MOVE = lane moves (SEL, MOV to scalar,
+ * the reinterpreting MOVs).  Priming (_PP), flush (_FP) and IVP_ZALIGN are
+ * no accesses and no operations. */
+
+DSPX_INLINE valign dspx_valign0(void) { valign a = {0}; return a; }
+#define IVP_LAN_2XF32_PP(p) ((void)(p), dspx_valign0())
+#define IVP_ZALIGN() dspx_valign0()
+#define IVP_LAN_2XF32_IP(v, a, p) \
+    do { (void)(a); DSPX_LD(p); (v) = dspx_load64((p)); DSPX_ADVANCE(p, 64); } while (0)
+#define IVP_LAVN_2XF32_XP(v, a, p, n) \
+    do { (void)(a); DSPX_LD(p); int32_t k_ = dspx_clamp64((intptr_t)(n)); (v) = dspx_loadn((p), k_); DSPX_ADVANCE(p, k_); } while (0)
+#define IVP_SAN_2XF32_IP(v, a, p) \
+    do { (void)(a); DSPX_ST(p); dspx_storen((p), DSPX_VF(v), 64); DSPX_ADVANCE(p, 64); } while (0)
+#define IVP_SAVN_2XF32_XP(v, a, p, n) \
+    do { (void)(a); DSPX_ST(p); int32_t k_ = dspx_clamp64((intptr_t)(n)); dspx_storen((p), DSPX_VF(v), k_); DSPX_ADVANCE(p, k_); } while (0)
+#define IVP_SAPOSN_2XF32_FP(a, p) do { (void)(a); (void)(p); } while (0)
+#define IVP_LSN_2X32_I(p, off) \
+    __extension__({ int32_t s_; DSPX_LD((const char *)(p) + (off)); memcpy(&s_, (const char *)(p) + (off), 4); DSPX_VI(s_); })
+#define IVP_LSRN_2XF32_IP(v, p, inc) \
+    do { float s_; DSPX_LD(p); memcpy(&s_, (p), 4); (v) = DSPX_VF(s_); DSPX_ADVANCE(p, (inc)); } while (0)
+#define IVP_LSRN_2XF32_XP(v, p, inc) IVP_LSRN_2XF32_IP(v, p, inc)
+
+#define IVP_ADDN_2XF32(a, b) (DSPX_OP(ALU) (DSPX_VF(a) + DSPX_VF(b)))
+#define IVP_SUBN_2XF32(a, b) (DSPX_OP(ALU) (DSPX_VF(a) - DSPX_VF(b)))
+#define IVP_MULN_2XF32(a, b) (DSPX_OP(MUL) (DSPX_VF(a) * DSPX_VF(b)))
+#define IVP_MULAN_2XF32(acc, a, b) (DSPX_OP(MUL) ((acc) = DSPX_VF(acc) + DSPX_VF(a) * DSPX_VF(b)))
+#define IVP_MAXN_2XF32(a, b) (DSPX_OP(ALU) dspx_maxf(DSPX_VF(a), DSPX_VF(b)))
+#define IVP_RADDN_2XF32(v) (DSPX_OP(SPECIAL) dspx_raddf(DSPX_VF(v)))
+#define IVP_MAXN_2XF32T(r, a, b, t) (DSPX_OP(ALU) ((r) = dspx_self((t), dspx_maxf(DSPX_VF(a), DSPX_VF(b)), DSPX_VF(r))))
+#define IVP_ADDN_2XF32T(r, a, b, t) (DSPX_OP(ALU) ((r) = dspx_self((t), DSPX_VF(a) + DSPX_VF(b), DSPX_VF(r))))
+#define IVP_MOVN_2XF32T(a, b, t) (DSPX_OP(ALU) dspx_self((t), DSPX_VF(a), DSPX_VF(b)))
+
+#define IVP_UNN_2XF32(a, b) (DSPX_OP(ALU) ((DSPX_VF(a) != DSPX_VF(a)) | (DSPX_VF(b) != DSPX_VF(b))))
+#define IVP_ULEN_2XF32(a, b) (DSPX_OP(ALU) (~(DSPX_VF(a) > DSPX_VF(b))))
+#define IVP_UEQN_2XF32(a, b) (DSPX_OP(ALU) (~((DSPX_VF(a) < DSPX_VF(b)) | (DSPX_VF(a) > DSPX_VF(b)))))
+#define IVP_LTRSN_2(n) (DSPX_OP(ALU) dspx_ltrs((int32_t)(n)))
+
+#define IVP_SELN_2XF32I(a, b, k) (DSPX_OP(MOVE) dspx_rotr(DSPX_VF(b), DSPX_VF(a), (k)))
+#define IVP_MOVF32_FROMN_2XF32(v) (DSPX_OP(MOVE) (DSPX_VF(v)[0]))
+
+#define IVP_TRUNCN_2XF32(x, s) (DSPX_OP(ALU) dspx_truncf(DSPX_VF(x), (s)))
+#define IVP_FLOATN_2X32(x, s) (DSPX_OP(ALU) dspx_floati(DSPX_VI(x), (s)))
+#define IVP_MOVN_2XF32_FROMN_2X32(x) (DSPX_OP(MOVE) ((dspx_v16f)DSPX_VI(x)))
+#define IVP_MOVNX16_FROMN_2X32(x) (DSPX_OP(MOVE) ((dspx_v32h)DSPX_VI(x)))
+
+#define IVP_ADDN_2X32(a, b) (DSPX_OP(ALU) (DSPX_VI(a) + DSPX_VI(b)))
+#define IVP_SUBN_2X32(a, b) (DSPX_OP(ALU) (DSPX_VI(a) - DSPX_VI(b)))
+#define IVP_SLLIN_2X32(x, s) (DSPX_OP(ALU) ((dspx_v16i)((dspx_v16u)DSPX_VI(x) << (s))))
+#define IVP_SRLIN_2X32(x, s) (DSPX_OP(ALU) dspx_srl(DSPX_VI(x), (s)))
+#define IVP_SRLIN_2X32U(x, s) (DSPX_OP(ALU) dspx_srl(DSPX_VI(x), (s)))
+
+#define IVP_MULN_2X16X32_0(h, x) (DSPX_OP(MUL) dspx_mul16x32_0((h), DSPX_VI(x)))
+#define IVP_MULAHN_2X16X32_1(w, h, x) (DSPX_OP(MUL) ((w) = dspx_mulah16x32_1((w), (h), DSPX_VI(x))))
+#define IVP_PACKVRNRN_2X64W(w, s) (DSPX_OP(ALU) dspx_packvr((w), (s)))
+#define IVP_PACKHN_2X64W(w) (DSPX_OP(ALU) dspx_packh((w)))
 
 #endif /* DSPX_IVP_H */
