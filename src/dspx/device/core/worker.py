@@ -400,15 +400,9 @@ class CoreWorker:
         (the only process that forks for this core) are forked; then Landlock
         (reads beneath the interpreter's and libraries' trees, no writes, no
         signals outside) and the core's seccomp filter."""
-        from . import native
-        if self.cost is not None:  # before the shim loads, so the core and its probe zygote load the cost build
-            try:
-                native.configure_cost(self.cost.values(), self.cost.name)
-            except ValueError as e:  # a profile without a vector DSP's parameters: C ops run on the host clock
-                os.write(2, f"dspx-core {self.index}: native ops not counted: {e}\n".encode())
         if not sandbox.enabled():
             return
-        from . import planner
+        from . import native, planner
         from ...log import setup  # the host's logging setup, level from $DSPX_LOG_LEVEL
         log = setup(prefix="dspx-core")
         native.shim()
@@ -657,6 +651,12 @@ def main(argv=None) -> None:
         cost = costmodel.from_env()
     except costmodel.ProfileError as e:
         raise SystemExit(f"dspx-core {a.index}: {e}") from None
+    if cost is not None:  # before anything loads the SDK shim: the core and its probe zygote load the cost build
+        from . import native
+        try:
+            native.configure_cost(cost.values(), cost.name)
+        except ValueError as e:  # a profile without a vector DSP's parameters: C ops run on the host clock
+            os.write(2, f"dspx-core {a.index}: native ops not counted: {e}\n".encode())
     core = CoreWorker(jobs.endpoint(sock), a.index, a.threads, status, cost=cost)
     core.serve()
     sys.exit(0)
