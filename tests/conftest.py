@@ -29,6 +29,13 @@ class Device:
             assert self.proc.poll() is None, self.output()
             assert time.monotonic() < deadline, "device did not start"
             time.sleep(0.01)
+        # The socket listens before the cores exist; the front logs this line once every
+        # core said hello (tests that look at the core processes need them to be there).
+        if os.environ.get("DSPX_LOG_LEVEL", "info").lower() in ("info", "debug") and "--quiet" not in args:
+            while "listening on" not in self.output():
+                assert self.proc.poll() is None, self.output()
+                assert time.monotonic() < deadline, "the device's cores did not start"
+                time.sleep(0.01)
 
     def output(self) -> str:
         self.log.flush()
