@@ -110,7 +110,7 @@ def test_serve_with_a_cost_model_counts_every_call_the_same_way(served):
 def test_serve_without_a_cost_model_counts_nothing(served):
     socket = served()
     with Tasks(socket=socket) as ucp:
-        ucp.ping()
+        ucp.client.ping()
         with pytest.raises(UnknownOp):
             ucp.last_cost()
 
