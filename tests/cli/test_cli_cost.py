@@ -118,3 +118,23 @@ def test_serve_without_a_cost_model_counts_nothing(served):
 def test_serve_refuses_an_unknown_profile_before_it_starts():
     r = dspx("serve", "--socket", os.path.join(tempfile.mkdtemp(), "s.sock"), "--cost-model", "no-such-board")
     assert r.returncode == 1 and "no-such-board" in r.stderr and "Traceback" not in r.stderr
+
+
+def _undefined_symbols(so: Path) -> set[str]:
+    from elftools.elf.elffile import ELFFile
+
+    with open(so, "rb") as f:
+        dynsym = ELFFile(f).get_section_by_name(".dynsym")
+        return {s.name for s in dynsym.iter_symbols() if s["st_shndx"] == "SHN_UNDEF" and s.name}
+
+
+def test_build_ops_with_a_cost_model_makes_a_counted_library(tmp_path):
+    """`dspx build-ops --cost-model`: the seed's listing built to count itself
+    (it reads the shim's counters); the plain build does not."""
+    sources = [str(p) for p in sorted((Path(__file__).parents[2] / "examples" / "softmax_c").glob("*.cc"))]
+    counted, plain = tmp_path / "counted.so", tmp_path / "plain.so"
+    r = dspx("build-ops", *sources, "-o", str(counted), "--cost-model")
+    assert r.returncode == 0, r.stderr
+    assert dspx("build-ops", *sources, "-o", str(plain)).returncode == 0
+    assert "dspx_cost_tls" in _undefined_symbols(counted)
+    assert "dspx_cost_tls" not in _undefined_symbols(plain)

@@ -92,14 +92,17 @@ def sdk(want_cflags, want_libs, want_build):
 @click.argument("sources", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="The library to write (LIB.so).")
 @click.option("-X", "--flag", "flags", multiple=True, help="An extra compiler flag (repeatable), e.g. -X -DDSP_LOG_LEVEL=0.")
-def build_ops(sources, output, flags):
+@click.option("--cost-model", "cost", is_flag=True,
+              help="a counted build (-DDSPX_COST=1) for a device with a cost model: its vector loads, stores, "
+                   "operations and DMA are counted and TIME_STAMP reads the modeled clock (docs/cost-model.md)")
+def build_ops(sources, output, flags, cost):
     """Compile DSP operator sources (C, or C++ for .cc/.cpp) into a native op
     library for ``dspx load-ops``: the system compiler, the SDK flags and
     -O2 -fPIC -shared."""
     from ..sdk import BuildError, build_ops as build
 
     try:
-        path = build(sources, output, flags)
+        path = build(sources, output, flags, cost=cost)
     except BuildError as e:
         sys.stderr.write(str(e))
         sys.exit(1)
