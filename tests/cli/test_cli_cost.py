@@ -330,3 +330,17 @@ def test_generate_prints_the_estimated_tok_s_with_the_statistics(monkeypatch):
     assert "cost_estimate" not in json.loads(CliRunner().invoke(main, ["generate", "hello", "--json"]).stdout)
     bad = CliRunner().invoke(main, ["generate", "hello", "--cost-model", "j6-vision"])
     assert bad.exit_code == 1 and "j6-vision" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_info_of_an_llm_package_shows_its_recorded_tok_s(tmp_path):
+    from dspx.costmodel import estimate
+
+    est = estimate.module_estimate({"model": SMOLLM2}, "c7x-j722s")
+    (tmp_path / "metadata.json").write_text(json.dumps({"format": "dspx-llm/1", "model": SMOLLM2, "modules": {},
+                                                        "cost_estimate": est}))
+    r = dspx("info", str(tmp_path), env=_env())
+    assert r.returncode == 0, r.stderr
+    head, assumed = [ln for ln in r.stdout.splitlines() if "ESTIMATE" in ln or "assumed:" in ln]
+    assert "ESTIMATE on c7x-j722s" in head and f"decode {est['decode']['tok_per_s']:,.1f} tok/s" in head
+    assert "prefill" in head and "per call 2,000 cycles (assumed)" in assumed
+    assert json.loads(dspx("info", str(tmp_path), "--json", env=_env()).stdout)["cost_estimate"] == est
