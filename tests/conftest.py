@@ -141,8 +141,9 @@ def example_onnx():
 
 
 def compiled_example(name: str, onnx_path, verifier, separate: bool = False, kernels: bool = False,
-                     op_by_op: bool = False):
-    """The directory of example ``name`` compiled (once per compiler: cache area "modules")."""
+                     op_by_op: bool = False, cost_model: str | None = None):
+    """The directory of example ``name`` compiled (once per compiler: cache area "modules");
+    ``cost_model``: with the board-time estimate of that profile recorded."""
     from dspx import cache
     from dspx.compiler import compiler_digest
     from dspx.compiler.onnx import compile_onnx
@@ -150,21 +151,24 @@ def compiled_example(name: str, onnx_path, verifier, separate: bool = False, ker
     modules = cache.area("modules")
     root = modules / compiler_digest()
     cache.prune(modules, keep=lambda d: d == root)  # builds by an older compiler
-    out = root / f"{name}{'-sep' if separate else ''}{'-k' if kernels else ''}{'-op' if op_by_op else ''}"
+    out = root / (f"{name}{'-sep' if separate else ''}{'-k' if kernels else ''}{'-op' if op_by_op else ''}"
+                  f"{'-' + cost_model if cost_model else ''}")
     cache.publish(out, lambda tmp: compile_onnx(onnx_path, tmp, separate_weights=separate, kernels=kernels,
                                                 progress=False, verifier=verifier,
-                                                subgraph=False if op_by_op else None),
+                                                subgraph=False if op_by_op else None, cost_model=cost_model),
                   complete="metadata.json")
     return out
 
 
 @pytest.fixture(scope="session")
 def compiled(example_onnx, device_verifier):
-    """compiled(name, separate=False, kernels=False, op_by_op=False) -> directory
+    """compiled(name, separate=False, kernels=False, op_by_op=False, cost_model=None) -> directory
     of a compiled example module, cached in .cache/dspx across sessions
-    (kernels=True hands the graph to one onnx_subgraph call unless op_by_op)."""
-    def get(name: str, separate: bool = False, kernels: bool = False, op_by_op: bool = False):
-        return compiled_example(name, example_onnx[name], device_verifier, separate, kernels, op_by_op)
+    (kernels=True hands the graph to one onnx_subgraph call unless op_by_op;
+    cost_model: the estimate of that profile recorded in its metadata)."""
+    def get(name: str, separate: bool = False, kernels: bool = False, op_by_op: bool = False,
+            cost_model: str | None = None):
+        return compiled_example(name, example_onnx[name], device_verifier, separate, kernels, op_by_op, cost_model)
     return get
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import click
 
+from . import cost
+
 
 def _size(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
@@ -47,9 +49,10 @@ def _shape(t: dict) -> str:
 @click.option("--calibrate", "calibrate", type=click.Path(dir_okay=False, path_type=Path), default=None,
               metavar="INPUTS.npz",
               help="calibration inputs for --quantize: one array per model input, samples along axis 0")
+@cost.option("record in metadata.json the estimated board time of each kernel call under this timing-model profile")
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
 def compile_cmd(model, outdir, separate_weights, no_kernels, op_by_op, target, weights, shapes, dims, no_verify, quantize,
-                calibrate, as_json):
+                calibrate, cost_model, as_json):
     """Compile an ONNX MODEL into a module the device loads at run time (DYN_LOAD).
 
     The compiled module is run once on a private device against a reference
@@ -58,11 +61,13 @@ def compile_cmd(model, outdir, separate_weights, no_kernels, op_by_op, target, w
     from ..compiler.onnx import compile_onnx
     from ..host.verifier import DeviceVerifier
 
+    cost.check(cost_model)  # before the compiler's minutes
     with DeviceVerifier() as verifier:  # its device starts only if the module is verified
         meta = compile_onnx(model, outdir, separate_weights=separate_weights, kernels=not no_kernels,
                             subgraph=False if op_by_op else None, target=target, verify=not no_verify,
                             verifier=verifier, shapes=parse_shapes(shapes), dims=parse_dims(dims), weights=weights,
-                            progress=not as_json, quantize=quantize, calibrate=calibrate)
+                            progress=not as_json, quantize=quantize, calibrate=calibrate,
+                            cost_model=cost_model)
     if as_json:
         click.echo(json.dumps({"status": "ok", "outdir": str(outdir), **meta}))
         return
@@ -90,6 +95,8 @@ def compile_cmd(model, outdir, separate_weights, no_kernels, op_by_op, target, w
                      + f" (calibrated on {q['samples']} samples)")
     lines.append(f"  target    {meta['target']['mcpu']} (needs {', '.join(meta.get('cpu_features', [])) or '-'})")
     lines.append("  verified  " + _verified(meta.get("verify")))
+    if meta.get("cost_estimate"):
+        lines += cost.summary(meta["cost_estimate"], width=10)
     click.echo("\n".join(lines))
 
 

