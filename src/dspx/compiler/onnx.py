@@ -168,6 +168,24 @@ def _rewrite_kernels(mod, target, blocked: bool = True) -> tuple[object, list[st
     return mod, sorted(set(names))
 
 
+def _verify_module(outdir, meta, model_path, reference, imported, params, shapes, dims, weights, calib,
+                   verifier) -> dict:
+    """The module just written, run through ``verifier`` against its reference
+    (the int8 calibration's own check under --quantize; the float32 model too
+    under reduced-precision weights)."""
+    from dspx.compiler import verify as _verify
+
+    if calib is not None:
+        return calib.verify(outdir, meta, onnx.load(str(model_path)), shapes, dims, verifier)
+    original = None
+    if weights != "float32":
+        original = onnx.load(str(model_path))
+        apply_shapes(original, shapes, dims)
+        original = original.SerializeToString()
+    return _verify.verify(outdir, meta, reference.SerializeToString(), verifier, imported, params,
+                          float32_model=original)
+
+
 def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bool = True,
                  progress: bool = True, *, target: str | None = None, verify: bool = True,
                  shapes: dict | None = None, dims: dict | None = None, weights: str = "float32",
@@ -300,18 +318,8 @@ def compile_onnx(model_path, outdir, separate_weights: bool = False, kernels: bo
             if missing:
                 report = {"skipped": f"this machine lacks {', '.join(missing)} for {target_dict['mcpu']}"}
             else:
-                from dspx.compiler import verify as _verify
-
-                original = None
-                if weights != "float32":
-                    original = onnx.load(str(model_path))
-                    apply_shapes(original, shapes, dims)
-                    original = original.SerializeToString()
-                if calib is not None:
-                    report = calib.verify(outdir, meta, onnx.load(str(model_path)), shapes, dims, verifier)
-                else:
-                    report = _verify.verify(outdir, meta, reference.SerializeToString(), verifier, imported, params,
-                                            float32_model=original)
+                report = _verify_module(outdir, meta, model_path, reference, imported, params, shapes, dims,
+                                        weights, calib, verifier)
             meta = _metadata(outdir, sig, io_meta, target_dict, tvm.__version__, separate_weights, wreport,
                              report, subgraphs)
     if calib is not None:
