@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +56,9 @@ class Child:
     def __init__(self, libs: dict[str, Path], profile: str | None):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
         arg = json.dumps({"libs": {k: str(p) for k, p in libs.items()}, "profile": profile})
+        self.log = tempfile.TemporaryFile("w+")  # the listing's DSP_LOG lines and any error, shown on failure
         self.proc = subprocess.Popen([sys.executable, __file__, arg], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env)
+                                     stderr=self.log, text=True, env=env)
 
     def run(self, lib: str, n: int, tcm: int, check: bool = False) -> dict:
         """One call of the listing over ``n`` floats (``tcm``: 0 direct, 1
@@ -66,13 +68,15 @@ class Child:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the softmax child exited ({self.proc.wait()})")
+            self.log.seek(0)
+            raise RuntimeError(f"the softmax child exited ({self.proc.wait()}):\n{self.log.read()[-3000:]}")
         return json.loads(line)
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(60)
+        self.log.close()
 
     def __enter__(self):
         return self
@@ -124,8 +128,10 @@ def _serve(libs: dict[str, str], profile: str | None) -> None:
     for key, path in libs.items():
         regs[key] = ops.OpRegistry()
         regs[key].load_library(Path(path).read_bytes(), Path(path).name)
-    answers = os.fdopen(os.dup(1), "w")  # the answers' own channel: anything the ops print goes to stderr
-    os.dup2(2, 1)
+    answers = os.fdopen(os.dup(1), "w")  # the answers' own channel: what the ops print (also in "printf") is dropped
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
     core, data = rt.CoreRuntime(), {}
     for line in sys.stdin:
         req = json.loads(line)
