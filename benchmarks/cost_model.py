@@ -11,9 +11,10 @@
    path), both running, calls interleaved: the median of the per-round ratios
    and a bootstrap 95% interval (goal: no measurable change), beside a
    control: a second device without the variable, what two devices of one
-   kind differ by here.
+   kind differ by here, and (--baseline) a device of the tree before the
+   timing model: no switch at all.
 
-    python benchmarks/cost_model.py [--rounds 200] [--rpc-rounds 300]
+    python benchmarks/cost_model.py [--rounds 200] [--rpc-rounds 300] [--baseline REV]
 
 Prints a table and writes benchmarks/results/cost_model.json.  The machine
 may be shared: the load average is printed beside the figures.
@@ -24,6 +25,7 @@ import argparse
 import contextlib
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -38,6 +40,7 @@ sys.path.insert(0, str(ROOT / "src"))
 N = 100_000  # the seed's size
 PATHS = {"direct": 0, "ping_pong": 1}
 WARM_UP = 3
+BASELINE = "ef19025^1"  # the tree before "Merge r-cost-py", the timing model's first merge
 
 
 def interval(ratios: list[float], seed: int = 0, draws: int = 2000) -> tuple[float, float]:
@@ -81,11 +84,11 @@ def counting(rounds: int, profile: str) -> dict:
 # ------------------------------------------------------------------ 2. the switch off against no switch
 
 @contextlib.contextmanager
-def device_env(value: str | None):
+def device_env(value: str | None, src: Path = ROOT / "src"):
     """A private device started in the block sees DSPX_COST_MODEL = ``value``
-    (None: unset) and this tree's src first on its PYTHONPATH."""
+    (None: unset) and ``src`` (default: this tree's) first on its PYTHONPATH."""
     saved = {k: os.environ.get(k) for k in ("DSPX_COST_MODEL", "PYTHONPATH")}
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), saved["PYTHONPATH"] or ""])
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(src), saved["PYTHONPATH"] or ""])
     if value is None:
         os.environ.pop("DSPX_COST_MODEL", None)
     else:
@@ -103,13 +106,13 @@ def device_env(value: str | None):
 class Side:
     """A private device (its own, whatever listens on the default socket) and a task session on it."""
 
-    def __init__(self, cost_model: str | None):
+    def __init__(self, cost_model: str | None, src: Path = ROOT / "src"):
         import numpy as np
 
         from dspx.host.launcher import PrivateDevice
         from dspx.host.tasks import Tasks, softmax_param
 
-        with device_env(cost_model):
+        with device_env(cost_model, src):
             self.dev = PrivateDevice()
         self.tasks = Tasks(socket=self.dev.path, timeout=300)
         data = self.tasks.malloc(4 * N)
@@ -131,17 +134,22 @@ class Side:
         self.dev.stop()
 
 
-def switch_off(rounds: int) -> dict:
-    """unset against empty, and unset against a second unset device: the
-    control, what two devices of the same kind differ by on this machine."""
+def switch_off(rounds: int, baseline: Path | None) -> dict:
+    """unset against empty; against a second unset device (the control: what
+    two devices of one kind differ by on this machine); and, with
+    ``baseline`` (the src of a tree before the timing model), against a
+    device that has no switch at all."""
     sides = {"unset": Side(None), "empty": Side(""), "unset_2": Side(None)}
+    if baseline is not None:
+        sides["baseline"] = Side(None, baseline)
     names = list(sides)
     ns = {(s, p): [] for s in sides for p in PATHS}
     # the host library echoes each call's log line (the listing's DSP_LOGI) to stderr: not wanted 1800 times here
     with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
         try:
             for r in range(WARM_UP + rounds):
-                for name in names[r % 3:] + names[:r % 3]:  # each device goes first in turn
+                k = r % len(names)
+                for name in names[k:] + names[:k]:  # each device goes first in turn
                     for path in PATHS:
                         t = sides[name].rpc_ns(path)
                         if r >= WARM_UP:
@@ -150,7 +158,14 @@ def switch_off(rounds: int) -> dict:
             for s in sides.values():
                 s.close()
     return {other: {path: summary(ns[("unset", path)], ns[(other, path)]) for path in PATHS}
-            for other in ("empty", "unset_2")}
+            for other in names[1:]}
+
+
+def baseline_src(rev: str) -> Path:
+    """``git archive REV src`` in a temporary folder (switch.py's way): the device code of that revision."""
+    from switch import baseline_tree
+
+    return Path(baseline_tree(rev))
 
 
 def main(argv=None) -> None:
@@ -158,10 +173,17 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", default="j6-vision")
     ap.add_argument("--rounds", type=int, default=200, help="interleaved rounds of the counting comparison")
     ap.add_argument("--rpc-rounds", type=int, default=300, help="interleaved rounds of the switch comparison")
+    ap.add_argument("--baseline", default=BASELINE, help="also time a device of this revision, from before the "
+                    f"timing model (default {BASELINE}: the tree before its first merge; '': none)")
     a = ap.parse_args(argv)
     load_before = os.getloadavg()
     count = counting(a.rounds, a.profile)
-    switch = switch_off(a.rpc_rounds)
+    base = baseline_src(a.baseline) if a.baseline else None
+    try:
+        switch = switch_off(a.rpc_rounds, base)
+    finally:
+        if base is not None:
+            shutil.rmtree(base.parent, ignore_errors=True)
     load_after = os.getloadavg()
 
     print(f"host time, {N:,} floats, the seed's softmax; load average {load_before[0]:.2f} -> {load_after[0]:.2f} "
@@ -175,8 +197,11 @@ def main(argv=None) -> None:
     print(f"\n2. switch off against no switch: firmware softmax RPC round trip, a device without DSPX_COST_MODEL "
           f"against one with DSPX_COST_MODEL= ({a.rpc_rounds} interleaved rounds; goal: no measurable change)")
     print(f"{'path':<10} {'unset µs':>10} {'other µs':>11} {'other/unset':>14} {'95%':>16}")
-    for other, label in (("empty", "DSPX_COST_MODEL= (the switch off)"),
-                         ("unset_2", "control: a second device without it")):
+    labels = {"empty": "DSPX_COST_MODEL= (the switch off)", "unset_2": "control: a second device without it",
+              "baseline": f"no switch at all: a device of {a.baseline}, before the timing model"}
+    for other, label in labels.items():
+        if other not in switch:
+            continue
         print(f"  other = {label}")
         for path, s in switch[other].items():
             print(f"{path:<10} {s['a_median_us']:>10.0f} {s['b_median_us']:>11.0f} {s['ratio']:>14.3f} "
@@ -186,7 +211,9 @@ def main(argv=None) -> None:
         "loadavg_before": load_before, "loadavg_after": load_after,
         "counting": {"a": "plain build", "b": "cost build, counted", **count},
         "switch_off": {"a": "DSPX_COST_MODEL unset", "b": "DSPX_COST_MODEL empty", **switch["empty"]},
-        "control": {"a": "DSPX_COST_MODEL unset", "b": "a second device, DSPX_COST_MODEL unset", **switch["unset_2"]}}))
+        "control": {"a": "DSPX_COST_MODEL unset", "b": "a second device, DSPX_COST_MODEL unset", **switch["unset_2"]},
+        "baseline": {"a": "DSPX_COST_MODEL unset", "b": f"a device of {a.baseline}", "rev": a.baseline,
+                     **switch["baseline"]} if "baseline" in switch else None}))
 
 
 if __name__ == "__main__":
