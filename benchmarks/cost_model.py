@@ -69,7 +69,8 @@ def counting(rounds: int, profile: str) -> dict:
             for kind, child in kinds.items():  # each path once checked, then warmed up
                 for tcm in PATHS.values():
                     r = child.run(kind, N, tcm, check=True)
-                    if r["status"] != 0 or r["err"] > 1e-6 or (kind == "cost") != bool((r["cost"] or {}).get("counted")):
+                    counted = bool((r["cost"] or {}).get("counted"))
+                    if r["status"] != 0 or r["err"] > 1e-6 or counted != (kind == "cost"):
                         raise SystemExit(f"{kind} build, run_tcm_opt {tcm}: {r}")
             ns = {(k, p): [] for k in kinds for p in PATHS}
             for r in range(WARM_UP + rounds):

@@ -111,7 +111,8 @@ def print_table(res: dict) -> None:
                 print(f"{n:>9} {tile:>8} {r['blocks']:>6}  does not fit: a bank holds {res['bank_bytes'] >> 10} KiB")
                 continue
             print(f"{n:>9} {tile:>8} {r['blocks']:>6} {r['cycles']:>10,} {r['overhead']:>8,} {r['compute']:>9,} "
-                  f"{r['ddr_stall']:>9,} {r['dma_wait']:>9,} {r['first_tile_exposure']:>9,} {r['setup_busiest_channel']:>8,} "
+                  f"{r['ddr_stall']:>9,} {r['dma_wait']:>9,} {r['first_tile_exposure']:>9,} "
+                  f"{r['setup_busiest_channel']:>8,} "
                   f"{sum(r['dma_transfers']):>6} {r['ratio_to_direct']:>7.3f}")
         best = min((r for r in res["rows"] if r["n"] == n and r["fits"]), key=lambda r: r["cycles"])
         print(f"{n:>9} fastest tile {best['tile_bytes'] >> 10} KiB; set-up meets tile exposure near "
