@@ -41,7 +41,7 @@ def test_the_docs_profile_tables_are_the_profile_files():
         assert doc_table(name) == table(name), f"docs/cost-model.md's {name} table differs from {name}.json"
 
 
-def test_the_doc_stays_short_and_keeps_the_seed_placeholder():
+def test_the_doc_stays_short_and_keeps_the_seed_comparison():
     text = DOC.read_text()
     assert len(text.splitlines()) <= 300
     assert "## The seed's two figures" in text
