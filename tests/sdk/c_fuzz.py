@@ -70,7 +70,7 @@ def child(so: str, runs: int, seed: int, out: str) -> None:
             write()
 
     atheris.Setup([sys.argv[0], f"-runs={runs}", f"-seed={seed}", "-max_len=1024", "-print_final_stats=1",
-                   "-rss_limit_mb=4096"], test_one)
+                   "-rss_limit_mb=4096", f"-artifact_prefix={Path(out).parent}/"], test_one)
     atheris.Fuzz()
 
 
