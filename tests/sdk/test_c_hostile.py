@@ -11,10 +11,8 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import socket
 import struct
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import pytest
 from dspx.abi import protocol as P
 
 import sanitized
+from test_c_api import FakeDevice
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT_MS = 3000
@@ -35,62 +34,30 @@ def driver(tmp_path_factory) -> Path:
     return sanitized.build(HERE / "hostile_driver.c", d / "hostile_driver")
 
 
-class Hostile:
+class Hostile(FakeDevice):
     """A device that answers everything; ``replies[NAME](msg)`` gives the datagrams
-    sent for a request of that name instead of the right answer (``self.right(msg)``)."""
+    sent for a request of that name instead of the right answer (``self.right(msg)``);
+    a float among them is a pause."""
 
     def __init__(self, tmp: Path, **replies):
         self.replies = replies
-        self.path = str(tmp / f"hostile{id(self)}.sock")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock.bind(self.path)
-        self.sock.listen(4)
-        self.sock.settimeout(0.2)
-        self.seen: list[str] = []
         self.bufs: dict[int, mmap.mmap] = {}  # dsp_addr -> the client's dmabuf, mapped here too
         self.next_addr = 0xC000_0000
         self.failed_seq = 0
-        self.stop = False
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self):
-        while not self.stop:
-            try:
-                conn, _ = self.sock.accept()
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                return
-            with conn:
-                self._serve(conn)
+        super().__init__(tmp)
 
     def _serve(self, conn):
-        conn.settimeout(0.2)
-        while not self.stop:
-            try:
-                data, fds, _, _ = socket.recv_fds(conn, 1024, 4)
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            msg = P.decode(data)
-            self.seen.append(msg.NAME)
-            if isinstance(msg, P.BufAttach) and fds:
-                self.bufs[self.next_addr] = mmap.mmap(fds[0], msg.size)
-            for fd in fds:
-                os.close(fd)
-            make = self.replies.get(msg.NAME, self.right)
-            try:
-                for d in make(msg):
-                    if isinstance(d, float):
-                        time.sleep(d)  # a pause between datagrams
-                    else:
-                        conn.send(d)
-            except OSError:
-                return
+        with conn:
+            for msg, fds in self._requests(conn):
+                if isinstance(msg, P.BufAttach) and fds:
+                    self.bufs[self.next_addr] = mmap.mmap(fds[0], msg.size)
+                for fd in fds:
+                    os.close(fd)
+                try:
+                    for d in self.replies.get(msg.NAME, self.right)(msg):
+                        time.sleep(d) if isinstance(d, float) else conn.send(d)
+                except OSError:
+                    return
 
     def right(self, msg) -> list[bytes]:
         """The correct answer."""
@@ -118,9 +85,7 @@ class Hostile:
         return P.InferResp(seq=msg.seq, descs=descs, **fields)
 
     def close(self):
-        self.stop = True
-        self.sock.close()
-        self.thread.join(3)
+        super().close()
         for m in self.bufs.values():
             m.close()
 
