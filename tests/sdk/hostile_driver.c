@@ -3,9 +3,12 @@
  * reserve io, INFER (one float32[16] input), then PING, GET_STATUS and
  * POOL_STATUS, printing "key value" lines — every return code, error text,
  * the outputs handed back (as offsets into output_buf) and the stash of kept
- * responses after each call.  argv: socket timeout_ms [infer_count] */
+ * responses after each call.  argv: socket timeout_ms [infer_count]; with
+ * "ucp" as the fourth, the Horizon API instead: two RPC tasks, each waited
+ * for twice (a timed-out task stays waitable). */
 #include "dspx_conn.c"
 #include "c7x_client.c"
+#include "hb_ucp.c"
 
 static size_t stash_len(const dspx_conn_t *k) {
     size_t n = 0;
@@ -20,8 +23,37 @@ static void said(const char *what, int rc, c7x_client_t *c) {
     fflush(stdout);
 }
 
+static void ucp_said(const char *what, int rc) {
+    printf("%s_rc %d\n%s_error %s\n%s_stash %zu\n%s_pending %zu\n", what, rc, what, hbUCPGetLastErrorText(), what,
+           stash_len(&g_conn), what, g_conn.n_pending);
+    fflush(stdout);
+}
+
+static int ucp(int timeout_ms) {
+    hbUCPSysMem in, out;
+    ucp_said("malloc", hbUCPMalloc(&in, 64, 0));
+    hbUCPMalloc(&out, 64, 0);
+    for (int i = 0; i < 2; i++) {
+        hbUCPTaskHandle_t t = NULL;
+        hbDSPRpcV2(&t, &in, &out, 0x1402);
+        ucp_said("submit", hbUCPSubmitTask(t, NULL));
+        ucp_said("wait", hbUCPWaitTaskDone(t, timeout_ms));
+        ucp_said("wait2", hbUCPWaitTaskDone(t, timeout_ms));
+        ucp_said("release", hbUCPReleaseTask(t));
+    }
+    printf("dropped %llu\n", (unsigned long long)g_conn.dropped);
+    hbUCPFree(&in);
+    hbUCPFree(&out);
+    hbUCPShutdown();
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 3) return 2;
+    if (argc > 4 && !strcmp(argv[4], "ucp")) {
+        setenv("DSPX_SOCKET", argv[1], 1);
+        return ucp(atoi(argv[2]));
+    }
     c7x_client_opts_t o = C7X_CLIENT_OPTS_INIT;
     o.socket_path = argv[1];
     o.timeout_ms = atoi(argv[2]);

@@ -103,8 +103,8 @@ def device(tmp_path):
         d.close()
 
 
-def run(driver, dev: Hostile, timeout_ms: int = TIMEOUT_MS, rounds: int = 1) -> dict:
-    p = subprocess.run([str(driver), dev.path, str(timeout_ms), str(rounds)], capture_output=True, text=True,
+def run(driver, dev: Hostile, timeout_ms: int = TIMEOUT_MS, rounds: int = 1, api: str = "c7x") -> dict:
+    p = subprocess.run([str(driver), dev.path, str(timeout_ms), str(rounds), api], capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, **sanitized.ENV))
     assert not sanitized.reports(p.stderr), p.stderr
     assert p.returncode == 0, p.stderr
@@ -355,3 +355,30 @@ def test_a_stream_of_replies_to_others_does_not_outlast_the_wait(driver, device)
     assert rc(r, "infer") == -errno.ETIMEDOUT
     assert time.monotonic() - t0 < 30
     assert r["infer_stash"] == "0"
+
+
+# ================================================================ the Horizon API (hbUCP tasks)
+def test_ucp_a_wrong_size_rpc_reply_fails_the_task_clearly(driver, device):
+    d = device()
+    d.replies["RPC"] = lambda m: [with_len(d.right(m)[0][:24], 24)]
+    r = run(driver, d, api="ucp")
+    assert r["all"]["wait_rc"] == [str(-errno.EPROTO)] * 2 and r["all"]["wait2_rc"] == [str(-errno.EPROTO)] * 2
+    assert "RPC_RESP of 24 bytes: its size is 40" in r["wait_error"]
+    assert r["all"]["release_rc"] == ["0", "0"] and r["release_pending"] == "0"
+
+
+def test_ucp_replies_to_others_and_duplicates_are_dropped(driver, device):
+    d = device()
+    d.replies["RPC"] = lambda m: [P.RpcResp(seq=m.seq + 7).encode(), *d.right(m) * 3]
+    r = run(driver, d, api="ucp")
+    assert r["all"]["wait_rc"] == ["0", "0"] and r["release_stash"] == "0" and r["release_pending"] == "0"
+    assert int(r["dropped"]) >= 4  # one to a seq never sent, the duplicates of the first task at least
+
+
+def test_ucp_a_task_that_timed_out_gets_its_late_reply(driver, device):
+    """Unlike a c7x call, a task that timed out stays pending: waited again, its late answer is there."""
+    d = device()
+    d.replies["RPC"] = lambda m: [0.5, *d.right(m)]
+    r = run(driver, d, timeout_ms=300, api="ucp")
+    assert r["all"]["wait_rc"][0] == str(-errno.ETIMEDOUT) and r["all"]["wait2_rc"][0] == "0"
+    assert r["release_pending"] == "0" and r["release_stash"] == "0"
