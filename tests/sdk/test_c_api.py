@@ -185,23 +185,30 @@ class FakeDevice:
             t.start()
             self.threads.append(t)
 
-    def _serve(self, conn):
+    def _requests(self, conn):
+        """(request, the fds it carried) until the peer closes or the device stops."""
         conn.settimeout(0.2)
-        addr = 0xC000_0000
-        with conn:
-            while not self.stop_flag:
-                try:
-                    data, fds, _, _ = socket.recv_fds(conn, 1024, 4)
-                except (TimeoutError, socket.timeout):
-                    continue
-                except OSError:
-                    return
+        while not self.stop_flag:
+            try:
+                data, fds, _, _ = socket.recv_fds(conn, 1024, 4)
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            if not data:
                 for fd in fds:
                     os.close(fd)
-                if not data:
-                    return
-                msg = P.decode(data)
-                self.seen.append(msg.NAME)
+                return
+            msg = P.decode(data)
+            self.seen.append(msg.NAME)
+            yield msg, fds
+
+    def _serve(self, conn):
+        addr = 0xC000_0000
+        with conn:
+            for msg, fds in self._requests(conn):
+                for fd in fds:
+                    os.close(fd)
                 if isinstance(msg, P.Ping) and self.answer_ping:
                     conn.send(P.PingResp(seq=msg.seq, version=self.version).encode())
                 elif isinstance(msg, P.BufAttach) and self.answer_ping:

@@ -231,8 +231,25 @@ def generate() -> str:
         if cls.TAIL:
             L.append(f"#define DSPX_WIRE_{cls.NAME}_TAIL_{cls.TAIL.upper()} 1")
         L.append("")
-    L += ["#pragma pack(pop)", "", "#endif /* DSPX_WIRE_H */", ""]
+    L += ["#pragma pack(pop)", ""]
+    L += _size_table(P)
+    L += ["#endif /* DSPX_WIRE_H */", ""]
     return "\n".join(L)
+
+
+def _size_table(P) -> list[str]:
+    """dspx_wire_msg_size(): every type's fixed size and its tail's unit, for
+    checking a datagram's length against its type (as ``decode_body`` does)."""
+    L = ["/* A message type's fixed size (0: unknown type); *tail_unit gets the unit its",
+         " * tail grows by (80: tensor descriptors, 1: payload bytes, 0: no tail) */",
+         "static inline uint32_t dspx_wire_msg_size(uint32_t type, uint32_t *tail_unit) {",
+         "    switch (type) {"]
+    units = {"descs": P.TensorDesc.SIZE, "payload": 1, None: 0}
+    for code in sorted(P._REGISTRY):
+        cls = P._REGISTRY[code]
+        L.append(f"    case 0x{code:04X}u: *tail_unit = {units[cls.TAIL]}; return {cls.SIZE};")
+    L += ["    default: *tail_unit = 0; return 0;", "    }", "}", ""]
+    return L
 
 
 def write(path, text: str | None = None) -> Path:

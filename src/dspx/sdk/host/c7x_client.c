@@ -417,7 +417,7 @@ static int64_t shape_bytes(int32_t ndim, const int64_t *shape, int32_t bits) {
     uint64_t n = 1;
     for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0) return -1;
-        if (shape[i] && n > (UINT64_MAX >> 4) / (uint64_t)shape[i]) return -1;
+        if (shape[i] && n > (uint64_t)(INT64_MAX / 64) / (uint64_t)shape[i]) return -1; /* n * 64 bits fits */
         n *= (uint64_t)shape[i];
     }
     return (int64_t)(n * (uint64_t)bits / 8);
@@ -483,8 +483,18 @@ static int to_wire(c7x_client_t *c, const c7x_tensor_desc_t *d, uint64_t addr, d
     return 0;
 }
 
+/* One output descriptor the device wrote, checked before a pointer is made of
+ * it: a well-formed tensor (docs/protocol.md, "Tensor descriptor") wholly
+ * inside output_buf or the KV region. */
 static int from_wire(c7x_client_t *c, const dspx_wire_tensor_desc_t *w, c7x_tensor_desc_t *d) {
     memset(d, 0, sizeof *d);
+    int64_t shape[C7X_MAX_NDIM];
+    memcpy(shape, w->shape, sizeof shape); /* aligned: the wire struct is packed */
+    if (w->ndim < 0 || w->ndim > C7X_MAX_NDIM || !dtype_ok(w->dtype_code, w->dtype_bits) ||
+        (int64_t)w->data_size < 0 || shape_bytes(w->ndim, shape, w->dtype_bits) != (int64_t)w->data_size)
+        return dspx_fail(&c->conn, -EPROTO, 0,
+                         "output descriptor is not a tensor: ndim %d, dtype (code %d, bits %d), %llu bytes",
+                         w->ndim, w->dtype_code, w->dtype_bits, (unsigned long long)w->data_size);
     const dspx_buf_t *ob = &c->output_buf;
     if (dspx_buf_contains(ob, w->data_addr, w->data_size)) {
         d->data = ob->host + (w->data_addr - ob->dsp_addr);
@@ -499,8 +509,38 @@ static int from_wire(c7x_client_t *c, const dspx_wire_tensor_desc_t *w, c7x_tens
     d->ndim = w->ndim;
     d->dtype_code = w->dtype_code;
     d->dtype_bits = w->dtype_bits;
-    for (int i = 0; i < C7X_MAX_NDIM; i++) d->shape[i] = w->shape[i];
+    for (int i = 0; i < C7X_MAX_NDIM; i++) d->shape[i] = shape[i];
     return 0;
+}
+
+/* The outputs of a successful INFER_RESP / INFER_LARGE_RESP of rlen bytes
+ * (already checked against its type's size): the descriptors inline, or the
+ * table in output_buf at descs_addr; every one through from_wire. */
+static int decode_outputs(c7x_client_t *c, const uint8_t *resp, size_t rlen, c7x_tensor_desc_t *outputs,
+                          uint32_t max_outputs) {
+    dspx_conn_t *k = &c->conn;
+    const dspx_buf_t *ob = &c->output_buf;
+    dspx_wire_infer_resp_t r;
+    memcpy(&r, resp, sizeof r);
+    uint32_t nout = r.num_outputs;
+    const uint8_t *descs = resp + sizeof r;
+    if (r.descs_size) {
+        if (!dspx_buf_contains(ob, r.descs_addr, r.descs_size) || r.descs_size < 80ull * nout)
+            return dspx_fail(k, -EPROTO, 0, "output descriptor region 0x%llx+%u is outside output_buf",
+                             (unsigned long long)r.descs_addr, r.descs_size);
+        descs = ob->host + (r.descs_addr - ob->dsp_addr);
+    } else if (rlen < sizeof r + 80ull * nout) {
+        return dspx_fail(k, -EPROTO, 0, "INFER_RESP of %zu bytes holds fewer than %u descriptors", rlen, nout);
+    }
+    int rc = 0;
+    dspx_buf_sync(k, &c->output_buf, DSPX_WIRE_SYNC_START | DSPX_WIRE_SYNC_READ);
+    for (uint32_t i = 0; i < nout && i < max_outputs && !rc; i++) {
+        dspx_wire_tensor_desc_t wd;
+        memcpy(&wd, descs + 80u * i, sizeof wd);
+        rc = from_wire(c, &wd, &outputs[i]);
+    }
+    dspx_buf_sync(k, &c->output_buf, DSPX_WIRE_SYNC_END | DSPX_WIRE_SYNC_READ);
+    return rc;
 }
 
 DSPX_API int c7x_client_infer(c7x_client_t *c, uint32_t handle, uint32_t model_id, const c7x_tensor_desc_t *inputs,
@@ -641,29 +681,7 @@ DSPX_API int c7x_client_infer(c7x_client_t *c, uint32_t handle, uint32_t model_i
         goto out;
     }
     dspx_printf_collect(k, r.r.printf_size);
-    dspx_buf_sync(k, ob, DSPX_WIRE_SYNC_START | DSPX_WIRE_SYNC_READ);
-    uint32_t nout = r.r.num_outputs;
-    const uint8_t *descs = r.b + sizeof r.r;
-    if (r.r.descs_size) {
-        if (!dspx_buf_contains(ob, r.r.descs_addr, r.r.descs_size) || r.r.descs_size < 80ull * nout) {
-            dspx_buf_sync(k, ob, DSPX_WIRE_SYNC_END | DSPX_WIRE_SYNC_READ);
-            rc = dspx_fail(k, -EPROTO, 0, "output descriptor region 0x%llx+%u is outside output_buf",
-                           (unsigned long long)r.r.descs_addr, r.r.descs_size);
-            goto out;
-        }
-        descs = ob->host + (r.r.descs_addr - ob->dsp_addr);
-    } else if (rlen < sizeof r.r + 80ull * nout) {
-        dspx_buf_sync(k, ob, DSPX_WIRE_SYNC_END | DSPX_WIRE_SYNC_READ);
-        rc = dspx_fail(k, -EPROTO, 0, "INFER_RESP of %zu bytes holds fewer than %u descriptors", rlen, nout);
-        goto out;
-    }
-    for (uint32_t i = 0; i < nout && i < max_outputs; i++) {
-        dspx_wire_tensor_desc_t wd;
-        memcpy(&wd, descs + 80u * i, sizeof wd);
-        rc = from_wire(c, &wd, &outputs[i]);
-        if (rc) break;
-    }
-    dspx_buf_sync(k, ob, DSPX_WIRE_SYNC_END | DSPX_WIRE_SYNC_READ);
+    rc = decode_outputs(c, r.b, rlen, outputs, max_outputs);
     if (!rc) c->io_locked = 1;
 out:
     if (off && off != stack_off) free(off);

@@ -116,6 +116,7 @@ int dspx_conn_open(dspx_conn_t *c, const char *path, int timeout_ms) {
     c->printf_to_stderr = 1;
     dspx_buf_init(&c->printf_buf);
     pthread_mutex_init(&c->lock, NULL);
+    pthread_mutex_init(&c->pending_lock, NULL);
     int rc = dspx_socket_path(path, c->path, sizeof c->path);
     if (rc) return dspx_set_open_error(rc, "socket path too long (at most %zu bytes)", sizeof c->path - 1);
     int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
@@ -158,7 +159,11 @@ void dspx_conn_close(dspx_conn_t *c) {
     free(c->printf_text);
     c->printf_text = NULL;
     stash_free(c);
+    free(c->pending);
+    c->pending = NULL;
+    c->n_pending = c->pending_cap = 0;
     pthread_mutex_destroy(&c->lock);
+    pthread_mutex_destroy(&c->pending_lock);
 }
 
 static int lost(dspx_conn_t *c) {
@@ -201,28 +206,93 @@ static int recv_one(dspx_conn_t *c, uint8_t *buf, size_t cap, int block) {
         if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP))) return lost(c);
         return dspx_fail(c, -EPROTO, 0, "empty datagram from the device");
     }
-    if (mh.msg_flags & MSG_TRUNC)
+    if (mh.msg_flags & MSG_TRUNC) n = (ssize_t)cap + 1; /* only "too long" matters */
+    int rc = dspx_check_frame(c, buf, (size_t)n);
+    return rc ? rc : (int)n;
+}
+
+int dspx_check_frame(dspx_conn_t *c, const uint8_t *buf, size_t n) {
+    if (n > DSPX_WIRE_MAX_MSG)
         return dspx_fail(c, -EPROTO, 0, "datagram from the device is longer than %d bytes", DSPX_WIRE_MAX_MSG);
-    if ((size_t)n < sizeof(dspx_wire_header_t))
-        return dspx_fail(c, -EPROTO, 0, "datagram of %zd bytes is shorter than the header", n);
+    if (n < sizeof(dspx_wire_header_t))
+        return dspx_fail(c, -EPROTO, 0, "datagram of %zu bytes is shorter than the header", n);
     dspx_wire_header_t h;
     memcpy(&h, buf, sizeof h);
     if (h.len != (uint32_t)n)
-        return dspx_fail(c, -EPROTO, 0, "response len field %u != datagram size %zd", h.len, n);
-    return (int)n;
+        return dspx_fail(c, -EPROTO, 0, "response len field %u != datagram size %zu", h.len, n);
+    return 0;
 }
 
+/* ------------------------------------------------------------------ pending seqs */
+
+static int pending_add(dspx_conn_t *c, uint32_t seq) {
+    int rc = 0;
+    pthread_mutex_lock(&c->pending_lock);
+    if (c->n_pending == c->pending_cap) {
+        size_t cap = c->pending_cap ? c->pending_cap * 2 : 16;
+        uint32_t *p = realloc(c->pending, cap * sizeof *p);
+        if (p) {
+            c->pending = p;
+            c->pending_cap = cap;
+        } else {
+            rc = -ENOMEM;
+        }
+    }
+    if (!rc) c->pending[c->n_pending++] = seq;
+    pthread_mutex_unlock(&c->pending_lock);
+    return rc ? dspx_fail(c, rc, 0, "out of host memory sending a request") : 0;
+}
+
+static int pending_has(dspx_conn_t *c, uint32_t seq) {
+    int found = 0;
+    pthread_mutex_lock(&c->pending_lock);
+    for (size_t i = 0; i < c->n_pending && !found; i++) found = c->pending[i] == seq;
+    pthread_mutex_unlock(&c->pending_lock);
+    return found;
+}
+
+static void pending_remove(dspx_conn_t *c, uint32_t seq) {
+    pthread_mutex_lock(&c->pending_lock);
+    for (size_t i = 0; i < c->n_pending; i++) {
+        if (c->pending[i] == seq) {
+            c->pending[i] = c->pending[--c->n_pending];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&c->pending_lock);
+}
+
+void dspx_forget(dspx_conn_t *c, uint32_t seq) { pending_remove(c, seq); }
+
+/* Keep a response for its waiter (call with c->lock held).  Only a seq still
+ * pending is kept, once; the rest is dropped, and so are kept responses whose
+ * seq was forgotten meanwhile: the stash never holds more than the pending seqs. */
 static int stash_put(dspx_conn_t *c, const uint8_t *data, int n) {
-    dspx_stash_t *s = malloc(sizeof *s);
-    if (!s) return dspx_fail(c, -ENOMEM, 0, "out of host memory keeping a response");
     dspx_wire_header_t h;
     memcpy(&h, data, sizeof h);
+    int keep = pending_has(c, h.seq);
+    for (dspx_stash_t **p = &c->stash; *p;) {
+        dspx_stash_t *s = *p;
+        if (s->seq == h.seq) keep = 0; /* a duplicate */
+        if (!pending_has(c, s->seq)) {
+            *p = s->next;
+            free(s);
+            c->dropped++;
+        } else {
+            p = &s->next;
+        }
+    }
+    if (!keep) {
+        c->dropped++;
+        return 0;
+    }
+    dspx_stash_t *s = malloc(sizeof *s);
+    if (!s) return dspx_fail(c, -ENOMEM, 0, "out of host memory keeping a response");
     s->seq = h.seq;
     s->len = (uint32_t)n;
     memcpy(s->data, data, (size_t)n);
     s->next = c->stash;
     c->stash = s;
-    c->stash_gen++;
     return 0;
 }
 
@@ -237,6 +307,8 @@ static dspx_stash_t *stash_take(dspx_conn_t *c, uint32_t seq) {
     return NULL;
 }
 
+static int send_datagram(dspx_conn_t *c, void *msg, uint32_t len, int fd);
+
 int dspx_send(dspx_conn_t *c, void *msg, uint32_t len, int fd, uint32_t *seq) {
     if (c->fd < 0) return dspx_fail(c, -EBADF, 0, "client is closed");
     if (c->lost) return lost(c);
@@ -248,6 +320,19 @@ int dspx_send(dspx_conn_t *c, void *msg, uint32_t len, int fd, uint32_t *seq) {
     h->seq = s;
     h->len = len;
     h->status = 0;
+    int rc = pending_add(c, s); /* before it goes out: another thread may read the answer first */
+    if (!rc) rc = send_datagram(c, msg, len, fd);
+    if (rc) {
+        pending_remove(c, s);
+        return rc;
+    }
+    if (seq) *seq = s;
+    return 0;
+}
+
+/* msg out on the socket (with fd when >= 0), its responses-to-others kept meanwhile */
+static int send_datagram(dspx_conn_t *c, void *msg, uint32_t len, int fd) {
+    const dspx_wire_header_t *h = (const dspx_wire_header_t *)msg;
     struct iovec iov = {msg, len};
     union {
         struct cmsghdr h;
@@ -293,7 +378,6 @@ int dspx_send(dspx_conn_t *c, void *msg, uint32_t len, int fd, uint32_t *seq) {
             if (r < 0) return r;
         }
     }
-    if (seq) *seq = s;
     return 0;
 }
 
@@ -306,16 +390,31 @@ int dspx_wait(dspx_conn_t *c, uint32_t seq, uint32_t expect_type, void *resp, si
     __atomic_add_fetch(&c->waiters, 1, __ATOMIC_SEQ_CST);
     int n = wait_one(c, seq, buf, tmo, what);
     __atomic_sub_fetch(&c->waiters, 1, __ATOMIC_SEQ_CST);
+    if (n != -ETIMEDOUT) pending_remove(c, seq); /* answered or failed: later answers are dropped */
     if (n < 0) return n;
     dspx_wire_header_t h;
     memcpy(&h, buf, sizeof h);
     if (h.type != expect_type)
         return dspx_fail(c, -EPROTO, h.status, "response type 0x%04x to %s, expected 0x%04x", h.type,
                          what ? what : "request", expect_type);
+    int rc = dspx_check_size(c, buf, (size_t)n);
+    if (rc) return rc;
     memset(resp, 0, cap);
     memcpy(resp, buf, (size_t)n < cap ? (size_t)n : cap);
     if (len) *len = (size_t)n;
     return 0;
+}
+
+int dspx_check_size(dspx_conn_t *c, const void *msg, size_t n) {
+    dspx_wire_header_t h;
+    memcpy(&h, msg, sizeof h);
+    uint32_t unit = 0, fixed = dspx_wire_msg_size(h.type, &unit);
+    if (!fixed) return dspx_fail(c, -EPROTO, 0, "message of unknown type 0x%04x", h.type);
+    if (n == fixed || (unit && n > fixed && (n - fixed) % unit == 0)) return 0;
+    if (h.status != DSPX_STATUS_SUCCESS && n == DSPX_WIRE_HEADER_SIZE) return 0; /* a bare failure */
+    const char *name = dspx_wire_msg_name(h.type);
+    return dspx_fail(c, -EPROTO, 0, "%s of %zu bytes: its size is %u%s", name ? name : "response", n, fixed,
+                     unit == DSPX_WIRE_TENSOR_DESC_SIZE ? " + 80 per descriptor" : unit ? " + its payload" : "");
 }
 
 /* the datagram answering seq into buf: its length, or a negative errno */
@@ -366,6 +465,8 @@ static int wait_one(dspx_conn_t *c, uint32_t seq, uint8_t *buf, int tmo, const c
             r = stash_put(c, buf, r);
             pthread_mutex_unlock(&c->lock);
             if (r < 0) return r;
+            if (now_ms() >= deadline) /* a stream of answers to others must not outlast the wait */
+                return dspx_fail(c, -ETIMEDOUT, 0, "no response to %s within %d ms", what ? what : "request", tmo);
             continue;
         }
         pthread_mutex_unlock(&c->lock);
@@ -401,9 +502,10 @@ int dspx_check(dspx_conn_t *c, const void *resp, size_t rlen, const char *what) 
         size_t el = 0;
         char saved[DSPX_ERR_LEN];
         memcpy(saved, c->last_error, sizeof saved);
-        if (dspx_send(c, &q, sizeof q, -1, &s) == 0 &&
-            dspx_wait(c, s, DSPX_MSG_GET_ERROR_RESP, &e, sizeof e, &el, 5000, "GET_ERROR") == 0 &&
-            e.r.error_seq == h.seq && el > sizeof e.r) {
+        int got = dspx_send(c, &q, sizeof q, -1, &s) == 0 &&
+                  dspx_wait(c, s, DSPX_MSG_GET_ERROR_RESP, &e, sizeof e, &el, 5000, "GET_ERROR") == 0;
+        if (!got) dspx_forget(c, s);
+        if (got && e.r.error_seq == h.seq && el > sizeof e.r) {
             size_t tl = el - sizeof e.r;
             memcpy(detail, e.b + sizeof e.r, tl);
             detail[tl] = 0;
@@ -419,11 +521,15 @@ int dspx_request(dspx_conn_t *c, void *msg, uint32_t len, int fd, void *resp, si
     const dspx_wire_header_t *h = (const dspx_wire_header_t *)msg;
     uint32_t type = h->type, s;
     const char *what = dspx_wire_msg_name(type);
+    memset(resp, 0, cap); /* callers read its numbers after a failure too */
     int rc = dspx_send(c, msg, len, fd, &s);
     if (rc) return rc;
     size_t n = 0;
     rc = dspx_wait(c, s, type | DSPX_WIRE_RESPONSE_BIT, resp, cap, &n, timeout_ms, what);
-    if (rc) return rc;
+    if (rc) {
+        dspx_forget(c, s); /* no one waits for it again */
+        return rc;
+    }
     if (rlen) *rlen = n;
     return dspx_check(c, resp, n, what);
 }
@@ -496,6 +602,9 @@ int dspx_attach(dspx_conn_t *c, dspx_buf_t *b, uint32_t flags, uint32_t kv_size)
     dspx_wire_buf_attach_resp_t r;
     int rc = dspx_request(c, &m, sizeof m, b->fd, &r, sizeof r, NULL, 0);
     if (rc) return rc;
+    if (!r.dsp_addr || r.dsp_addr + b->size < r.dsp_addr) /* 0 means "not attached"; a range must not wrap */
+        return dspx_fail(c, -EPROTO, 0, "BUF_ATTACH_RESP gave address 0x%llx for %zu bytes",
+                         (unsigned long long)r.dsp_addr, b->size);
     b->dsp_addr = r.dsp_addr;
     return 0;
 }

@@ -39,8 +39,14 @@ typedef struct dspx_conn {
     uint32_t next_seq;
     int timeout_ms;
     pthread_mutex_t lock;   /* socket receive + stash */
-    dspx_stash_t *stash;    /* responses that arrived for other waiters */
-    unsigned stash_gen;
+    dspx_stash_t *stash;    /* responses that arrived for other waiters: at most one per pending seq */
+    /* seqs sent and not yet answered (their own lock: senders never take
+     * `lock`, a waiter may sleep in recvmsg holding it).  A response to any
+     * other seq, or a second one to a seq, is dropped (docs/protocol.md). */
+    pthread_mutex_t pending_lock;
+    uint32_t *pending;
+    size_t n_pending, pending_cap;
+    uint64_t dropped;       /* responses dropped so far */
     int waiters;            /* threads in dspx_wait */
     int rcvtimeo_set;       /* SO_RCVTIMEO = timeout_ms */
     int lost;
@@ -76,10 +82,20 @@ int dspx_conn_open(dspx_conn_t *c, const char *path, int timeout_ms);
 int dspx_conn_handshake(dspx_conn_t *c, size_t printf_size);
 void dspx_conn_close(dspx_conn_t *c);
 int dspx_send(dspx_conn_t *c, void *msg, uint32_t len, int fd, uint32_t *seq);
-/* The response to seq (type must be expect_type): copied into resp (zero
- * padded to cap); *len gets its datagram size.  Host-side errors only. */
+/* The response to seq (type must be expect_type, size right for it): copied
+ * into resp (zero padded to cap); *len gets its datagram size.  Host-side
+ * errors only.  seq is done after it, unless it timed out (wait again, or
+ * dspx_forget it). */
 int dspx_wait(dspx_conn_t *c, uint32_t seq, uint32_t expect_type, void *resp, size_t cap, size_t *len,
               int timeout_ms, const char *what);
+/* seq will not be waited for again: its response, when it comes, is dropped */
+void dspx_forget(dspx_conn_t *c, uint32_t seq);
+/* A datagram of n bytes as the device sent it: at most MAX_MSG, a whole
+ * header, its len field = n.  0, or -EPROTO with the error set. */
+int dspx_check_frame(dspx_conn_t *c, const uint8_t *buf, size_t n);
+/* A datagram of n bytes is the right size for its type (a bare 16-byte
+ * header is one too when it carries a failure).  0, or -EPROTO with the error set. */
+int dspx_check_size(dspx_conn_t *c, const void *msg, size_t n);
 /* send + wait + status check (device failure -> errno, text from GET_ERROR) */
 int dspx_request(dspx_conn_t *c, void *msg, uint32_t len, int fd, void *resp, size_t cap, size_t *rlen,
                  int timeout_ms);
