@@ -282,6 +282,43 @@ def test_int8_kernels_numpy_fallback_matches_onnxruntime(weights, monkeypatch):
     assert np.abs(fast[0]).max() > 0 and np.abs(slow[2]).max() > 0
 
 
+def test_verify_integer_reference_is_the_tests_arithmetic():
+    """dspx.compiler.int8_reference (verify's reference) against the arithmetic above:
+    identical with exact requantization, within single quanta with onnxruntime's float32 one."""
+    from dspx.compiler.int8_reference import reference_model, run
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((1, 16, 9, 9)).astype(np.float32)
+    w = (rng.standard_normal((8, 16, 3, 3)) * 0.1).astype(np.float32)
+    b = (rng.standard_normal(8) * 0.1).astype(np.float32)
+    v = rng.standard_normal((3, 64)).astype(np.float32)
+    wd, bd = (rng.standard_normal((10, 64)) * 0.1).astype(np.float32), rng.standard_normal(10).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=[2, 2], pads=[1] * 4),
+         helper.make_node("Gemm", ["v", "wd", "bd"], ["d"], transB=1)], "ref",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape)),
+         helper.make_tensor_value_info("v", TensorProto.FLOAT, list(v.shape))],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("c", "d")],
+        [numpy_helper.from_array(a, n) for a, n in ((w, "w"), (b, "b"), (wd, "wd"), (bd, "bd"))])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    ranges = {"x": (float(x.min()), float(x.max())), "c": (-0.6, 0.8), "v": (-1.5, 1.5)}
+    lowered = {w.tobytes(): {"input": ranges["x"], "output": ranges["c"]},
+               wd.tobytes(): {"input": ranges["v"], "output": (-1.0, 1.0)}}
+    q, s = _int8_channels(w)
+    conv, _, (ys, _) = _conv_ref(x, q, b, s, 2, 1, 1, ranges["x"], ranges["c"])
+    qd, sd = _int8_channels(wd)
+    vs, vz = _scale_zero(*ranges["v"])
+    dense = ((_q_int(v, vs, vz) - vz) @ qd.T + _bias_int(bd, vs, sd)) * (float(vs) * sd.astype(np.float64))
+    for float32_requant in (False, True):
+        ref, missed = reference_model(model, lowered, lambda a: a.tobytes(), float32_requant=float32_requant)
+        (c, d), = run(ref, [{"x": x, "v": v}])
+        assert missed == [] and np.array_equal(d, dense.astype(np.float32))
+        if float32_requant:
+            _within_a_quantum(c, conv, ys, "int8_reference, onnxruntime's requantization")
+        else:
+            np.testing.assert_array_equal(c, conv)
+
+
 # ---------------------------------------------------------------- the compiled module
 
 def _net_in_numpy(xs: np.ndarray, ranges: dict | None = None) -> dict:
