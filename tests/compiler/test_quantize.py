@@ -1,9 +1,11 @@
 """``dspx compile --quantize int8 --calibrate inputs.npz`` (docs/quantize.md).
 
-References: the int8 kernels against numpy doing the same quantize /
-integer-product / dequantize arithmetic; the compiled module, run on a
-device, against onnxruntime's own ``quantize_static`` QDQ model of the same
-graph calibrated on the same samples, and its top-1 against float32."""
+References: the int8 kernels and the compiled module against integer
+arithmetic written here in numpy from docs/quantize.md (scale and zero point
+from the calibration range, not from ``qparams``; the module's ranges by the
+tests' own MinMax); the module, run on a device, also against onnxruntime's
+own ``quantize_static`` QDQ model of the same graph calibrated on the same
+samples, and against float32."""
 from __future__ import annotations
 
 import json
@@ -23,8 +25,15 @@ from dspx.device.core import kernels as K
 from dspx.device.core.kernels import q8 as Q8
 from dspx.host.vm import VirtualMachine
 
-#: module vs onnxruntime's QDQ model: max abs error over max |QDQ logits|
-QDQ_TOL = 0.05
+# Ratchets near the errors measured on an AVX-512 VNNI EPYC (3 December), so that a 2x
+# accuracy loss fails (a 4x one by far).  Module vs onnxruntime's QDQ model, max abs
+# error over max |QDQ logits|: measured 0.92 % (0.98 % in verify's 16 samples).
+QDQ_TOL = 0.02
+#: module vs float32 onnxruntime, the same measure: measured 0.67 %
+FLOAT32_TOL = 0.015
+#: module vs the tests' integer arithmetic, in quanta of the logits' range: measured 1.5e-5
+#: (float32 rounding of the pooling); an upstream single-quantum rounding difference stays far below
+INT_REF_QUANTA = 0.1
 SAMPLES = 32
 
 
@@ -80,58 +89,155 @@ def q8(shared_device):
     return root / "net.onnx", root / "calib.npz", root / "q8"
 
 
-# ---------------------------------------------------------------- kernels vs numpy
+# ---------------------------------------------------------------- the tests' own integer arithmetic
+# Written from docs/quantize.md, not from dspx.compiler.quantize (qparams) or the kernels.
 
-def _q(v, scale, zero):
-    return np.clip(np.rint(v / scale) + zero, 0, 255)
+def _scale_zero(lo, hi):
+    """The documented uint8 rule: the range widened to contain 0, scale = (max - min) / 255
+    (float32, as ONNX stores it), zero = round(-min / scale)."""
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    scale = (hi - lo) / 255.0
+    return np.float32(scale), int(np.clip(np.rint(-lo / scale), 0, 255))
 
 
-def _dq(v, scale, zero):
-    return ((_q(v, scale, zero) - zero) * scale).astype(np.float32)
+def _q_int(x, scale, zero):
+    """uint8 values as int64 (ONNX QuantizeLinear: float32 x / scale, round half to even)."""
+    return np.clip(np.rint(np.asarray(x, np.float32) / np.float32(scale)).astype(np.int64) + zero, 0, 255)
 
 
-def test_int8_kernels_match_numpy_arithmetic():
+def _int8_channels(w):
+    """Per output channel (axis 0) symmetric int8: (int64 q, float32 S = max|W| / 127)."""
+    s = (np.abs(w).reshape(len(w), -1).max(1) / np.float32(127)).astype(np.float32)
+    return np.clip(np.rint(w / s.reshape((-1,) + (1,) * (w.ndim - 1))), -127, 127).astype(np.int64), s
+
+
+def _bias_int(b, xs, ws):
+    return np.rint(b.astype(np.float64) / (float(xs) * ws.astype(np.float64))).astype(np.int64)
+
+
+def _conv(x, w, stride, pad, groups=1):
+    """Direct NCHW x OIHW convolution, tap by tap; int64 in, int64 out (exact)."""
+    n, _, h, wd = x.shape
+    o, cg, kh, kw = w.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    oh, ow = (h + 2 * pad - kh) // stride + 1, (wd + 2 * pad - kw) // stride + 1
+    acc = np.zeros((n, o, oh, ow), np.result_type(x, w))
+    og = o // groups
+    for g in range(groups):
+        for i in range(kh):
+            for j in range(kw):
+                patch = xp[:, g * cg:(g + 1) * cg, i:i + stride * oh:stride, j:j + stride * ow:stride]
+                acc[:, g * og:(g + 1) * og] += np.einsum("nchw,oc->nohw", patch, w[g * og:(g + 1) * og, :, i, j])
+    return acc
+
+
+def _requant(acc, xs, ws, ys, yz):
+    """Requantized uint8 of the int32 accumulators (exact real scale ratio, half to even)."""
+    ratio = float(xs) * ws.astype(np.float64) / float(ys)
+    return np.clip(np.rint(acc * ratio.reshape(1, -1, 1, 1)) + yz, 0, 255)
+
+
+def _dq(q, scale, zero):
+    return ((q - zero) * np.float32(scale)).astype(np.float32)
+
+
+def _conv_ref(x, w, b, ws, stride, pad, groups, in_range, out_range):
+    """(reference float32 output, out scale, out zero) of conv2d_q8 by integer arithmetic."""
+    xs, xz = _scale_zero(*in_range)
+    ys, yz = _scale_zero(*out_range)
+    acc = _conv(_q_int(x, xs, xz) - xz, w.astype(np.int64), stride, pad, groups) + \
+        _bias_int(b, xs, ws).reshape(1, -1, 1, 1)
+    assert np.abs(acc).max() < 2 ** 31  # int32 accumulators
+    return _dq(_requant(acc, xs, ws, ys, yz), ys, yz), (xs, xz), (ys, yz)
+
+
+def _within_a_quantum(got, ref, scale, what):
+    """Exact but for single quanta: MLAS requantizes the int32 sum with a float32
+    scale (in_scale * wscale / out_scale rounded to float32), so a sum within
+    float32's precision of a half step rounds the other way."""
+    quanta = np.rint(np.abs(got.astype(np.float64) - ref) / float(scale))
+    off = int(np.count_nonzero(quanta))
+    assert quanta.max() <= 1 and off <= max(2, ref.size // 500), \
+        f"{what}: {off} of {ref.size} outputs off, by up to {quanta.max():.0f} quanta"
+
+
+_PATHS = ["int8 weights (CPUs with VNNI)", "uint8 weights, zero point 128 (CPUs without VNNI)", "numpy backend"]
+
+
+@pytest.fixture(params=_PATHS)
+def q8_path(request, monkeypatch):
+    """Each kernel path on any machine: exact_u8s8 forced either way (fresh sessions), or the numpy backend."""
+    from dspx.device.core.kernels import caches
+
+    path = request.param
+    monkeypatch.setattr(caches, "weights", {})  # no session built for the other path
+    if path == _PATHS[0] and not Q8.exact_u8s8():
+        request.applymarker(pytest.mark.xfail(reason="MLAS' u8s8 kernels saturate pairs of products at int16 "
+                                              "without VNNI: why this CPU takes the uint8 path"))
+    monkeypatch.setattr(Q8, "exact_u8s8", lambda: path == _PATHS[0])
+    if path == _PATHS[2]:
+        K.configure_backend("numpy")
+        yield path
+        K.configure_backend("auto")
+    else:
+        yield path
+
+
+# ---------------------------------------------------------------- kernels vs the integer arithmetic
+
+@pytest.mark.parametrize("lo, hi", [(-1.0, 3.0), (0.5, 2.0), (-3.0, -1.0), (0.0, 6.0), (-0.25, 0.0), (-2.0, 7.3)])
+def test_qparams_is_the_documented_uint8_rule(lo, hi):
+    scale, zero = qparams(lo, hi)
+    assert (np.float32(scale), zero) == _scale_zero(lo, hi)
+    # the widened range: 0 is exactly a code, and both ends are inside [0, 255]
+    assert _q_int(0.0, scale, zero) == zero and 0 <= _q_int(lo, scale, zero) <= _q_int(hi, scale, zero) <= 255
+
+
+def test_int8_kernels_match_numpy_arithmetic(q8_path):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((1, 16, 9, 9)).astype(np.float32)
     w = rng.integers(-127, 128, (32, 16, 3, 3)).astype(np.int8)
     ws = rng.uniform(5e-4, 1e-3, 32).astype(np.float32)
     b = (rng.standard_normal(32) * 0.1).astype(np.float32)
-    xs, xz = qparams(x.min(), x.max())
-    conv = K.conv.conv_numpy(_dq(x, xs, xz), w.astype(np.float32) * ws[:, None, None, None], b,
-                         [2, 2], [1, 1, 1, 1], [1, 1], 1)
-    ys, yz = qparams(conv.min(), conv.max())
-    out = np.empty(conv.shape, np.float32)
+    x_range = (float(x.min()), float(x.max()))  # the calibration range of the input: a whole sample
+    out_range = (-0.9, 1.1)  # of the output: some outputs saturate at either end
+    ref, (xs, xz), (ys, yz) = _conv_ref(x, w, b, ws, 2, 1, 1, x_range, out_range)
+    out = np.empty(ref.shape, np.float32)
     K.conv2d_q8(x, w, b, ws, (2, 2), (1, 1, 1, 1), (1, 1), 1, 0, 0, xs, xz, ys, yz, out)
-    # one quantum: the reference's float rounding may land on the other side of a half step
-    assert np.abs(out - _dq(conv, ys, yz)).max() <= ys * 1.001
-    res = rng.standard_normal(conv.shape).astype(np.float32)
+    _within_a_quantum(out, ref, ys, "conv2d_q8")
+    assert out.min() == _dq(0, ys, yz) and out.max() == _dq(255, ys, yz)
+    res = rng.standard_normal(ref.shape).astype(np.float32)
+    K.conv2d_add_q8(x, w, b, res, ws, (2, 2), (1, 1, 1, 1), (1, 1), 1, 0, 0, xs, xz, ys, yz, out)
+    _within_a_quantum(out - res, ref, ys, "conv2d_add_q8")  # quanta of the conv, before the add
+    added = out.copy()
     K.conv2d_add_q8(x, w, b, res, ws, (2, 2), (1, 1, 1, 1), (1, 1), 1, 0, 1, xs, xz, ys, yz, out)
-    assert np.abs(out - np.maximum(_dq(conv, ys, yz) + res, 0)).max() <= ys * 1.001
-    rs, rz = qparams(0.0, conv.max())  # ReLU as the requantization's clamp at zero point 0
+    np.testing.assert_array_equal(out, np.maximum(added, 0))  # the ReLU after the float32 add
+    relu_ref, _, (rs, rz) = _conv_ref(x, w, b, ws, 2, 1, 1, x_range, (0.0, 1.1))
     K.conv2d_q8(x, w, b, ws, (2, 2), (1, 1, 1, 1), (1, 1), 1, 0, 1, xs, xz, rs, rz, out)
-    assert rz == 0 and out.min() == 0.0 and np.abs(out - _dq(conv, rs, 0)).max() <= rs * 1.001
+    assert rz == 0 and out.min() == 0.0  # ReLU as the requantization's clamp at zero point 0
+    _within_a_quantum(out, relu_ref, rs, "conv2d_q8 + ReLU")
 
     # depthwise (groups = channels), as in ShuffleNet / MobileNet
     wg = rng.integers(-127, 128, (16, 1, 3, 3)).astype(np.int8)
     gs = rng.uniform(5e-3, 1e-2, 16).astype(np.float32)
-    dw = K.conv.conv_numpy(_dq(x, xs, xz), wg.astype(np.float32) * gs[:, None, None, None], b[:16],
-                       [1, 1], [1, 1, 1, 1], [1, 1], 16)
-    ds_, dz_ = qparams(dw.min(), dw.max())
+    dw, _, (ds_, dz_) = _conv_ref(x, wg, b[:16], gs, 1, 1, 16, x_range, (-1.5, 1.2))
     og = np.empty(dw.shape, np.float32)
     K.conv2d_q8(x, wg, b[:16], gs, (1, 1), (1, 1, 1, 1), (1, 1), 16, 0, 0, xs, xz, ds_, dz_, og)
-    assert np.abs(og - _dq(dw, ds_, dz_)).max() <= ds_ * 1.001
+    _within_a_quantum(og, dw, ds_, "depthwise conv2d_q8")
 
+    # dense: float output, no requantization: acc * in_scale * wscale in float32
     xd = rng.standard_normal((3, 64)).astype(np.float32)
     wd = rng.integers(-127, 128, (10, 64)).astype(np.int8)
     wds = rng.uniform(5e-3, 1e-2, 10).astype(np.float32)
     bd = rng.standard_normal(10).astype(np.float32)
-    ds, dz = qparams(xd.min(), xd.max())
-    ref = _dq(xd, ds, dz) @ (wd.astype(np.float32) * wds[:, None]).T + bd
+    ds, dz = _scale_zero(xd.min() * 0.8, xd.max() * 0.8)  # the ends of xd saturate
+    acc = (_q_int(xd, ds, dz) - dz) @ wd.T.astype(np.int64) + _bias_int(bd, ds, wds)
+    ref = acc * (float(ds) * wds.astype(np.float64))
     od = np.empty((3, 10), np.float32)
     K.dense_q8(xd, wd, bd, wds, 1, 0, ds, dz, od)
-    np.testing.assert_allclose(od, ref, atol=1e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(od, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
     K.dense_q8(xd, np.ascontiguousarray(wd.T), bd, wds, 0, 1, ds, dz, od)
-    np.testing.assert_allclose(od, np.maximum(ref, 0), atol=1e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(od, np.maximum(ref, 0), rtol=1e-6, atol=1e-6 * np.abs(ref).max())
     with pytest.raises(K.KernelError, match="zero point in"):
         K.dense_q8(xd, wd, bd, wds, 1, 0, ds, 300, od)
     with pytest.raises(K.KernelError, match="layout code 4"):
@@ -154,7 +260,7 @@ def test_int8_kernels_numpy_fallback_matches_onnxruntime(weights, monkeypatch):
     b = (rng.standard_normal(16) * 0.1).astype(np.float32)
     res = rng.standard_normal((1, 16, 8, 8)).astype(np.float32)
     xd, wd = rng.standard_normal((2, 48)).astype(np.float32), rng.integers(-127, 128, (5, 48)).astype(np.int8)
-    xs, xz = qparams(x.min(), x.max())
+    xs, xz = _scale_zero(x.min(), x.max())
     ys, yz = 0.02, 100
 
     def run():
@@ -176,7 +282,69 @@ def test_int8_kernels_numpy_fallback_matches_onnxruntime(weights, monkeypatch):
     assert np.abs(fast[0]).max() > 0 and np.abs(slow[2]).max() > 0
 
 
+def test_verify_integer_reference_is_the_tests_arithmetic():
+    """dspx.compiler.int8_reference (verify's reference) against the arithmetic above:
+    identical with exact requantization, within single quanta with onnxruntime's float32 one."""
+    from dspx.compiler.int8_reference import reference_model, run
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((1, 16, 9, 9)).astype(np.float32)
+    w = (rng.standard_normal((8, 16, 3, 3)) * 0.1).astype(np.float32)
+    b = (rng.standard_normal(8) * 0.1).astype(np.float32)
+    v = rng.standard_normal((3, 64)).astype(np.float32)
+    wd, bd = (rng.standard_normal((10, 64)) * 0.1).astype(np.float32), rng.standard_normal(10).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], strides=[2, 2], pads=[1] * 4),
+         helper.make_node("Gemm", ["v", "wd", "bd"], ["d"], transB=1)], "ref",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape)),
+         helper.make_tensor_value_info("v", TensorProto.FLOAT, list(v.shape))],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("c", "d")],
+        [numpy_helper.from_array(a, n) for a, n in ((w, "w"), (b, "b"), (wd, "wd"), (bd, "bd"))])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    ranges = {"x": (float(x.min()), float(x.max())), "c": (-0.6, 0.8), "v": (-1.5, 1.5)}
+    lowered = {w.tobytes(): {"input": ranges["x"], "output": ranges["c"]},
+               wd.tobytes(): {"input": ranges["v"], "output": (-1.0, 1.0)}}
+    q, s = _int8_channels(w)
+    conv, _, (ys, _) = _conv_ref(x, q, b, s, 2, 1, 1, ranges["x"], ranges["c"])
+    qd, sd = _int8_channels(wd)
+    vs, vz = _scale_zero(*ranges["v"])
+    dense = ((_q_int(v, vs, vz) - vz) @ qd.T + _bias_int(bd, vs, sd)) * (float(vs) * sd.astype(np.float64))
+    for float32_requant in (False, True):
+        ref, missed = reference_model(model, lowered, lambda a: a.tobytes(), float32_requant=float32_requant)
+        (c, d), = run(ref, [{"x": x, "v": v}])
+        assert missed == [] and np.array_equal(d, dense.astype(np.float32))
+        if float32_requant:
+            _within_a_quantum(c, conv, ys, "int8_reference, onnxruntime's requantization")
+        else:
+            np.testing.assert_array_equal(c, conv)
+
+
 # ---------------------------------------------------------------- the compiled module
+
+def _net_in_numpy(xs: np.ndarray, ranges: dict | None = None) -> dict:
+    """_net on samples xs (n, 1, 3, 16, 16): float32 if ``ranges`` is None ({tensor:
+    array} of every Conv/Gemm input and output, for the tests' own MinMax
+    calibration), else by the documented int8 arithmetic with those ranges
+    ({"logits": ...})."""
+    p = {i.name: numpy_helper.to_array(i) for i in _net().graph.initializer}
+    x = xs[:, 0]
+    if ranges is None:
+        c1 = _conv(x, p["w1"], 1, 1) + p["b1"].reshape(1, -1, 1, 1)
+        a = np.maximum(c1, 0)
+        c2 = _conv(a, p["w2"], 1, 1) + p["b2"].reshape(1, -1, 1, 1)
+        f = np.maximum(c2 + a, 0).mean((2, 3))
+        return {"x": x, "c1": c1, "a": a, "c2": c2, "f": f, "logits": f @ p["wg"].T + p["bg"]}
+
+    def conv(v, w, b, inp, out):
+        q, s = _int8_channels(w)
+        return _conv_ref(v, q, b, s, 1, 1, 1, ranges[inp], ranges[out] if out != "c1" else (0.0, ranges[out][1]))[0]
+    a = conv(x, p["w1"], p["b1"], "x", "c1")  # conv1 + ReLU: the clamp at zero point 0
+    f = np.maximum(conv(a, p["w2"], p["b2"], "a", "c2") + a, 0).mean((2, 3), dtype=np.float32)
+    q, s = _int8_channels(p["wg"])
+    fs, fz = _scale_zero(*ranges["f"])
+    acc = (_q_int(f, fs, fz) - fz) @ q.T + _bias_int(p["bg"], fs, s)
+    return {"logits": (acc * (float(fs) * s.astype(np.float64))).astype(np.float32)}
+
 
 def test_int8_module_on_device_agrees_with_onnxruntime_qdq(q8, shared_device, tmp_path):
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -213,12 +381,23 @@ def test_int8_module_on_device_agrees_with_onnxruntime_qdq(q8, shared_device, tm
     ref_f = np.stack([s_f.run(None, {"x": x})[0] for x in xs])
     rel = np.abs(got - ref_q).max() / np.abs(ref_q).max()
     assert rel <= QDQ_TOL, f"int8 module vs onnxruntime QDQ: {100 * rel:.2f} % of max |logits|"
+    # the tests' own integer arithmetic, calibrated by the tests' own MinMax over the same samples
+    ranges = {k: (float(v.min()), float(v.max())) for k, v in _net_in_numpy(calib).items()}
+    ref_i = _net_in_numpy(xs, ranges)["logits"][:, None]
+    quantum = _scale_zero(*ranges["logits"])[0]
+    rel_f = np.abs(got - ref_f).max() / np.abs(ref_f).max()
+    print(f"\nint8 module: vs QDQ {100 * rel:.2f} %, vs float32 {100 * rel_f:.2f} %, vs the integer reference "
+          f"{np.abs(got - ref_i).max() / quantum:.3g} quanta")
+    assert np.abs(got - ref_i).max() <= INT_REF_QUANTA * quantum, "int8 module vs the integer arithmetic"
+    assert rel_f <= FLOAT32_TOL, f"int8 module vs float32: {100 * rel_f:.2f} % of max |logits|"
     top1 = np.mean(got.argmax(-1) == ref_f.argmax(-1))
     assert top1 >= 0.75, f"top-1 agreement with float32 {top1:.2f}"
     # int8, not float32 run under another name: the error against float32 is a quantization error
     assert np.abs(got - ref_f).max() > 1e-4 * np.abs(ref_f).max()
     v = meta["verify"]
     assert v["samples"] == 16 and v["vs_qdq"]["logits"]["rel"] <= QDQ_TOL
+    # verify's own integer reference covered every lowered op and agreed
+    assert v["int8_reference"]["not_covered"] == [] and v["vs_int8_reference"]["logits"]["quanta"] <= INT_REF_QUANTA
 
 
 # ---------------------------------------------------------------- calibration files

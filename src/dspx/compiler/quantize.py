@@ -17,8 +17,12 @@ quantization (docs/quantize.md).
 3. **Verification.**  The module runs on a device on the calibration samples
    and is compared with onnxruntime running its own ``quantize_static`` QDQ
    model of the same graph, calibrated on the same samples: logits within
-   ``QDQ_RTOL`` of the QDQ model's largest magnitude.  Top-1 agreement of both
-   with float32 is reported (metadata.json ``quantize``).
+   ``QDQ_RTOL`` of the QDQ model's largest magnitude; and with the numpy
+   integer reference (``dspx.compiler.int8_reference``: the lowered Conv,
+   Gemm and MatMul in integers, independent of onnxruntime, which runs on
+   the same MLAS kernels as the module): within ``INT_REF_QUANTA`` of the
+   output's quantum.  Top-1 agreement of both with float32 is reported
+   (metadata.json ``quantize``).
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ MODES = ("int8",)
 QUANTIZED_OPS = ("Conv", "Gemm", "MatMul")
 #: verification: max |module - onnxruntime QDQ| <= QDQ_RTOL * max |QDQ| over the samples
 QDQ_RTOL = 0.1
+#: verification: max |module - integer reference| <= INT_REF_QUANTA steps of the output's uint8 range
+INT_REF_QUANTA = 1.0
 #: at most this many calibration samples are run in verification (each is one device call)
 VERIFY_SAMPLES = 16
 
@@ -306,6 +312,7 @@ def _lower(mod, calib: Calibration):
                     [f64(xs), relax.prim_value(xz), f64(ys), relax.prim_value(yz)]
             q8 = PREFIX + _FLOAT_TO_Q8[short]
             counts[q8] += 1
+            entry["lowered"] = True  # the integer reference (verify) computes this node in int8
             return relax.call_dps_packed(q8, new, out_ty=call.ty)
 
     used: set[str] = set()
@@ -388,15 +395,41 @@ def agreement(got: list[np.ndarray], ref: list[np.ndarray]) -> dict:
             "rel": float(err.max(initial=0.0)) / max(float(np.abs(r).max(initial=0.0)), 1e-30)}
 
 
+def integer_reference(calib: Calibration, feeds: list[dict]) -> tuple[list | None, list[str]]:
+    """The numpy integer reference's outputs for each feed (dspx.compiler.int8_reference:
+    the lowered Conv/Gemm/MatMul in integers, the rest float32), or None and the
+    lowered nodes it does not cover."""
+    from dspx.compiler import int8_reference
+
+    lowered = {k: v for k, v in calib.weights.items() if v.get("lowered")}
+    model, missed = int8_reference.reference_model(calib.model, lowered, _digest)
+    return (None if missed else int8_reference.run(model, feeds)), missed
+
+
+def _vs_integer(got: list[np.ndarray], ref: list[np.ndarray]) -> dict:
+    """agreement() plus the error in quanta: steps of the reference output's
+    range over the samples (widened to 0) divided into 255."""
+    from dspx.compiler.int8_reference import uint8_params
+
+    r = np.stack(ref)
+    out = agreement(got, ref)
+    out["quantum"] = float(uint8_params(r.min(initial=0.0), r.max(initial=0.0))[0])
+    out["quanta"] = out["max_abs"] / out["quantum"]
+    return out
+
+
 def verify(outdir, meta: dict, calib: Calibration, original: onnx.ModelProto, verifier) -> dict:
     """Run the module on up to VERIFY_SAMPLES calibration samples through
     ``verifier`` (a dspx.compiler.verify.ModuleRunner); CompileError if an
-    output is further than QDQ_RTOL from onnxruntime's QDQ int8 model.  Returns the report (also errors and top-1 vs float32)."""
+    output is further than QDQ_RTOL from onnxruntime's QDQ int8 model or more
+    than INT_REF_QUANTA quanta from the numpy integer reference.  Returns the
+    report (also errors and top-1 vs float32)."""
     feeds = list(samples(calib.arrays))[:VERIFY_SAMPLES]
     names = [t["name"] for t in meta["inputs"]]
     qdq = qdq_model(calib.model, calib.arrays)
     ref_q = ort_outputs(qdq, feeds)
     ref_f = ort_outputs(original, feeds)
+    ref_i, missed = integer_reference(calib, feeds)
     try:
         got = verifier(Path(outdir), [[f[n] for n in names] for f in feeds])
     except CompileError:
@@ -405,7 +438,11 @@ def verify(outdir, meta: dict, calib: Calibration, original: onnx.ModelProto, ve
         raise CompileError(f"the quantized module fails on the device: {type(e).__name__}: "
                            f"{str(e).splitlines()[0][:300]}") from None
     report = {"reference": "onnxruntime quantize_static QDQ (U8S8, per channel, MinMax, same samples)",
-              "samples": len(feeds), "rtol": QDQ_RTOL, "vs_qdq": {}, "vs_float32": {}, "qdq_vs_float32": {}}
+              "samples": len(feeds), "rtol": QDQ_RTOL, "vs_qdq": {}, "vs_float32": {}, "qdq_vs_float32": {},
+              "int8_reference": {"covers": "Conv, Gemm, MatMul lowered to int8 kernels (numpy integers); other "
+                                           "operators float32 (onnx.reference)", "not_covered": missed,
+                                 "max_quanta": INT_REF_QUANTA},
+              "vs_int8_reference": {}}
     for i, out in enumerate(meta["outputs"]):
         if np.dtype(out["dtype"]).kind != "f":
             continue
@@ -420,4 +457,12 @@ def verify(outdir, meta: dict, calib: Calibration, original: onnx.ModelProto, ve
                                f"{vq['max_abs']:.3g} = {100 * vq['rel']:.3g} % of its largest value > "
                                f"{100 * QDQ_RTOL:.3g} %); this is a compiler bug, please report it (use "
                                "--no-verify to keep the module anyway)")
+        if ref_i is None:
+            continue
+        vi = report["vs_int8_reference"][name] = _vs_integer(g, [s[i] for s in ref_i])
+        if not vi["quanta"] <= INT_REF_QUANTA:
+            raise CompileError(f"verification failed: output {name!r} of the int8 module differs from the numpy "
+                               f"integer reference on the calibration samples by {vi['max_abs']:.3g} = "
+                               f"{vi['quanta']:.3g} quanta of its range (> {INT_REF_QUANTA:g}); this is a compiler "
+                               "bug, please report it (use --no-verify to keep the module anyway)")
     return report
