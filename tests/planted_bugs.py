@@ -34,7 +34,7 @@ BUGS = [
  ("overflow-unsafe end in the address range check", "src/dspx/memory.py",
   "    return (0 <= addr < U64 and 0 <= size < U64 and addr + size < U64\n"
   "            and base <= addr and addr + size <= limit)",
-  "    return base <= addr and (addr + size) & U64 <= limit  # planted: the end wraps",
+  "    return base <= addr and (addr + size) % U64 <= limit  # planted: the end wraps",
   ["tests/device/front/test_handlers.py::test_infer_input_range_that_wraps_64_bits_is_err_addr"]),
  ("capacity locked before the request instead of after success", "src/dspx/host/session.py",
   '        if not large:\n            return InferLayout(copies, b""',
@@ -127,23 +127,29 @@ def scratch() -> str:
 
 
 def run_tests(root: str, env: dict, tests: list[str]) -> tuple[int, list[str], list[str], str]:
-    """pytest on ``tests``: (exit code, FAILED ids, ERROR ids, last line)."""
+    """pytest on ``tests``: (exit code, FAILED lines, ERROR lines, last line);
+    a line is the test id, then " - " and the start of its message."""
     try:
         r = subprocess.run(["nice", PY, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *tests],
                            cwd=root, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return -1, [], [], f"timed out after {RUN_TIMEOUT_S} s"
     lines = r.stdout.splitlines()
-    ids = lambda tag: [ln.split(" - ")[0].split(" ", 1)[1] for ln in lines if ln.startswith(tag + " ")]  # noqa: E731
+    ids = lambda tag: [ln.split(" ", 1)[1] for ln in lines if ln.startswith(tag + " ")]  # noqa: E731
     last = lines[-1] if lines else r.stderr.strip()[-300:]
     if r.returncode < 0:
         last = f"pytest killed by signal {-r.returncode}; {last}"
     return r.returncode, ids("FAILED"), ids("ERROR"), last
 
 
-def named(test_id: str, tests: list[str]) -> bool:
-    """Whether ``test_id`` (a FAILED line's id, maybe with [params]) is one of ``tests``."""
+def named(line: str, tests: list[str]) -> bool:
+    """Whether the test of a FAILED line (its id maybe with [params]) is one of ``tests``."""
+    test_id = line.split(" - ")[0]
     return test_id in tests or test_id.split("[")[0] in tests
+
+
+def short(line: str, width: int = 160) -> str:
+    return line if len(line) <= width else line[:width - 3] + "..."
 
 
 def main(only: list[int]) -> int:
@@ -159,7 +165,7 @@ def main(only: list[int]) -> int:
     print(f"baseline, {len(baseline)} named tests on the clean tree: {'PASS' if rc == 0 else 'FAIL'} ({last})")
     if rc != 0:
         for t in failed + errors:
-            print(f"     {t}")
+            print(f"     {short(t)}")
         shutil.rmtree(root, ignore_errors=True)
         return 2
     missed = 0
@@ -175,9 +181,9 @@ def main(only: list[int]) -> int:
         missed += not caught
         print(f"{i}. {name}: {'CAUGHT' if caught else 'NOT CAUGHT'} ({last})")
         for t in caught[:6]:
-            print(f"     caught by {t}")
+            print(f"     caught by {short(t)}")
         for t in [t for t in failed if not named(t, tests)][:3] + errors[:3]:
-            print(f"     (does not count) {t}")
+            print(f"     (does not count) {short(t)}")
         sys.stdout.flush()
     print(f"{len(chosen) - missed} of {len(chosen)} caught")
     shutil.rmtree(root, ignore_errors=True)
