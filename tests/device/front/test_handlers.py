@@ -499,10 +499,23 @@ def test_unload_waits_for_the_core_unless_the_core_is_a_new_incarnation(front):
 
 def test_an_op_library_handle_unloads_with_dyn_unload(front):
     h = front.st.new_id()
-    front.st.modules[h] = ModuleRec(h, 999, 0, 0, "oplib")  # op libraries are device-wide
+    front.st.modules[h] = ModuleRec(h, front.conn.cid, 0, 0, "oplib")
     front.st.op_table[0x3001] = ("spin", 0, h)
     (r,) = responses(front(P.DynUnload(module_handle=h)))
     assert r.status == 0 and 0x3001 not in front.st.op_table
+
+
+def test_unload_of_another_connections_op_library_is_err_handle(front):
+    """docs/protocol.md: another connection's library handle is ERR_HANDLE;
+    the library and its ops stay, and nothing goes to the cores."""
+    h = front.st.new_id()
+    front.st.modules[h] = ModuleRec(h, _other_conn(front).cid, 0, 0, "oplib")
+    front.st.op_table[0x3001] = ("spin", 0, h)
+    front.st.op_sources[h] = (b"src", "<oplib>")
+    actions = front(P.DynUnload(module_handle=h))
+    (r,) = responses(actions)
+    assert r.status == S.ERR_HANDLE and not any(isinstance(a, Notify) for a in actions)
+    assert front.st.op_table[0x3001] == ("spin", 0, h) and h in front.st.modules and h in front.st.op_sources
 
 
 def test_infer_with_another_connections_module_is_err_handle(front):
@@ -1042,7 +1055,7 @@ def test_unloading_an_op_library_removes_only_its_own_ops_on_every_core(front):
 
 def test_dyn_unload_of_an_op_library_answers_the_request(front):
     st = front.st
-    st.modules[77] = ModuleRec(77, 999, 0, 0, "oplib")
+    st.modules[77] = ModuleRec(77, front.conn.cid, 0, 0, "oplib")
     actions = front(P.DynUnload(seq=21, module_handle=77))
     (r,) = responses(actions)
     assert (r.seq, r.status) == (21, 0)

@@ -254,6 +254,26 @@ def test_detach_of_a_buffer_a_running_job_uses_is_busy(default_device):
             u.unload_ops(handle)
 
 
+def test_a_client_cannot_unload_another_clients_op_library(default_device):
+    """docs/protocol.md, ERR_HANDLE: another connection's library handle.
+    B's unload is refused, and A's op still runs until A unloads it."""
+    from dspx.errors import BadHandle
+    src = "from dspx.device.core import runtime as rt\nrt.register_op(0x3102, lambda i, o, t: 7)\n"
+    with Tasks(socket=default_device.path) as a, Tasks(socket=default_device.path) as b:
+        handle, _ = a.load_ops(src)
+        try:
+            with pytest.raises(BadHandle) as e:
+                b.unload_ops(handle)
+            assert e.value.status_name == "ERR_HANDLE"
+            assert any(o["cmd"] == 0x3102 and o["library"] == handle for o in b.ops())
+            assert a.run(0x3102, a.malloc(4), a.malloc(4)).return_value == 7
+            assert b.run(0x3102, b.malloc(4), b.malloc(4)).return_value == 7  # loaded for every client
+        finally:
+            a.unload_ops(handle)
+    with Tasks(socket=default_device.path) as c:
+        assert 0x3102 not in [o["cmd"] for o in c.ops()]
+
+
 def test_an_unknown_rpc_command_is_err_op_and_the_device_keeps_serving(default_device, client_of):
     from dspx.abi import protocol as P
     from dspx.errors import UnknownOp
