@@ -28,7 +28,7 @@ from ..errors import (CapacityError, ClosedError, DeviceError, DeviceLost, Devic
 from ..memory import DmaBuf
 from ..abi.protocol import Status
 from ..transport import PeerClosed, Timeout, TransportError, UntrustedPath, connect
-from . import launcher
+from . import launcher, tracing
 from .session import Session, failure
 
 DEFAULT_TIMEOUT = 60.0
@@ -65,6 +65,11 @@ def _clock_hz(profile: str) -> float:
         return 1e9
 
 
+# The answers a core sends (a successful call ran on one): its "call job" span
+# is what a traced host waits for (host/tracing.py).
+_CALL_ANSWERS = (P.InferResp, P.InferLargeResp, P.RpcResp)
+
+
 class Client:
     """A session with the device.  Use as a context manager."""
 
@@ -82,6 +87,7 @@ class Client:
         self._infer_layouts: dict = {}  # layouts of recent inferences (see _layout)
         self._lock = threading.RLock()
         self._sent_at: dict[int, int] = {}  # seq -> when it was sent, while tracing
+        self._awaited: tracing.Awaited | None = None  # while tracing: the device spans to wait for at the end
         self.device: launcher.PrivateDevice | None = None
         path, self.device = launcher.resolve(socket, cores=cores, extra_args=device_args)
         self.socket_path = path
@@ -197,6 +203,9 @@ class Client:
             if t0:
                 trace.complete("send", t0, "host")
                 self._sent_at[seq] = t0  # where a call's modeled DSP timeline starts (last_cost)
+                if self._awaited is None:
+                    self._awaited = tracing.awaited()
+                self._awaited.request = (seq, t0)
                 if len(self._sent_at) > 256:
                     del self._sent_at[next(iter(self._sent_at))]
 
@@ -243,6 +252,8 @@ class Client:
                 try:
                     resp = self.session.take(seq)
                     if resp is not None:
+                        if t0 and self._awaited and resp.status == Status.SUCCESS and isinstance(resp, _CALL_ANSWERS):
+                            self._awaited.call = (seq, self._sent_at.get(seq, 0))  # a core ran it
                         return resp
                     try:
                         self._receive(max(0.0, deadline - time.monotonic()))
@@ -547,6 +558,8 @@ class Client:
     # ---------------------------------------------------------------- close
     def _stop_device(self) -> None:
         if self.device is not None:
+            if trace.on:  # the private device's processes end now: let them write the spans of our calls first
+                tracing.wait_for_device()
             self.device.stop()
             self.device = None
 
