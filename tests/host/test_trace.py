@@ -304,8 +304,8 @@ from dspx.host import tracing
 out, mode, device = sys.argv[1], sys.argv[2], sys.argv[3]
 tracing.WAIT_S = 3.0
 tracing.start_host(out)
-a = tracing.awaited()  # what a Client records: its last request (seq 7) and its last call (seq 6)
-a.request, a.call = (7, trace.clock()), (6, trace.clock())
+a = tracing.sent({}, None, 7, trace.clock())  # what a Client records: its last request (seq 7)
+a.call = (6, trace.clock())  # and its last call a core answered (seq 6)
 dev = subprocess.Popen([sys.executable, "-c", device, str(trace.parts_dir(out)), str(os.getpid()), mode])
 while not any(f.stem == str(dev.pid) for f in trace.parts_dir(out).glob("*.jsonl")):
     time.sleep(0.01)

@@ -65,11 +65,6 @@ def _clock_hz(profile: str) -> float:
         return 1e9
 
 
-# The answers a core sends (a successful call ran on one): its "call job" span
-# is what a traced host waits for (host/tracing.py).
-_CALL_ANSWERS = (P.InferResp, P.InferLargeResp, P.RpcResp)
-
-
 class Client:
     """A session with the device.  Use as a context manager."""
 
@@ -202,12 +197,7 @@ class Client:
         finally:
             if t0:
                 trace.complete("send", t0, "host")
-                self._sent_at[seq] = t0  # where a call's modeled DSP timeline starts (last_cost)
-                if self._awaited is None:
-                    self._awaited = tracing.awaited()
-                self._awaited.request = (seq, t0)
-                if len(self._sent_at) > 256:
-                    del self._sent_at[next(iter(self._sent_at))]
+                self._awaited = tracing.sent(self._sent_at, self._awaited, seq, t0)
 
     def _drain_for_send(self, deadline: float, request: str) -> None:
         import select
@@ -252,8 +242,8 @@ class Client:
                 try:
                     resp = self.session.take(seq)
                     if resp is not None:
-                        if t0 and self._awaited and resp.status == Status.SUCCESS and isinstance(resp, _CALL_ANSWERS):
-                            self._awaited.call = (seq, self._sent_at.get(seq, 0))  # a core ran it
+                        if t0:
+                            tracing.answered(self._awaited, self._sent_at, resp)
                         return resp
                     try:
                         self._receive(max(0.0, deadline - time.monotonic()))
@@ -558,8 +548,7 @@ class Client:
     # ---------------------------------------------------------------- close
     def _stop_device(self) -> None:
         if self.device is not None:
-            if trace.on:  # the private device's processes end now: let them write the spans of our calls first
-                tracing.wait_for_device()
+            tracing.before_device_stops()
             self.device.stop()
             self.device = None
 

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from .. import trace
+from ..abi import protocol as P
 
 _since = 0.0  # µs: the host keeps events from when it started tracing
 WAIT_S = 5.0  # at most this long for a device's spans of the last calls (then merged without them, and said)
@@ -48,11 +49,34 @@ class Awaited:
         self.call: tuple[int, int] | None = None
 
 
-def awaited() -> Awaited:
-    """A new connection's record (the Client keeps it and fills it in)."""
-    a = Awaited()
-    _awaited.append(a)
+def sent(sent_at: dict, a: Awaited | None, seq: int, t0: int) -> Awaited:
+    """A client sent request ``seq`` at ``t0``: kept in ``sent_at`` (where a
+    call's modeled DSP timeline starts, ``last_cost``; the last 256) and as
+    the connection's last request in ``a`` (made on its first request)."""
+    sent_at[seq] = t0
+    if len(sent_at) > 256:
+        del sent_at[next(iter(sent_at))]
+    if a is None:
+        a = Awaited()
+        _awaited.append(a)
+    a.request = (seq, t0)
     return a
+
+
+# The answers a core sends (a successful call ran on one): its "call job" span is waited for.
+_CALL_ANSWERS = (P.InferResp, P.InferLargeResp, P.RpcResp)
+
+
+def answered(a: Awaited | None, sent_at: dict, resp: P.Message) -> None:
+    """A client took the answer ``resp``: a core's, it is the connection's last call."""
+    if a is not None and resp.status == P.Status.SUCCESS and isinstance(resp, _CALL_ANSWERS):
+        a.call = (resp.seq, sent_at.get(resp.seq, 0))
+
+
+def before_device_stops() -> None:
+    """A private device's processes end now: let them write the spans of this host's calls first."""
+    if trace.on:
+        wait_for_device()
 
 
 def start_host(path, process: str = "host") -> trace.Recorder:
