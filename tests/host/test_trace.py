@@ -293,7 +293,7 @@ if mode == "late":
         f.write(json.dumps({"name": name, "ph": "X", "ts": time.perf_counter_ns() / 1000, "dur": 1,
                             "pid": os.getpid(), "tid": 1, "args": {"peer": host, "seq": seq}}) + "\n")
     f.flush()
-    time.sleep(2)  # alive still when the host merges: its part stays
+    time.sleep(1)  # alive still when the host merges: its part stays
 '''
 
 HOST_WAITS = r'''
@@ -302,7 +302,7 @@ from dspx import trace
 from dspx.host import tracing
 
 out, mode, device = sys.argv[1], sys.argv[2], sys.argv[3]
-tracing.WAIT_S = 3.0
+tracing.WAIT_S = 10.0
 tracing.start_host(out)
 a = tracing.sent({}, None, 7, trace.clock())  # what a Client records: its last request (seq 7)
 a.call = (6, trace.clock())  # and its last call a core answered (seq 6)
@@ -336,9 +336,10 @@ def test_the_host_waits_for_a_late_device_part_and_says_what_is_missing(tmp_path
         return json.loads(r.stdout.splitlines()[-1]), r.stderr
 
     late, err = host("late")
-    assert 0.3 < late["waited"] < 2.5 and "missing" not in late["other"] and late["parts"], (late, err)
+    # it waited for the late spans, and no longer than until they came (not WAIT_S)
+    assert "missing" not in late["other"] and late["waited"] < 8 and late["parts"], (late, err)
     dead, err = host("dead")
-    assert dead["waited"] < 1.0 and not dead["parts"], dead
+    assert dead["waited"] < 5 and not dead["parts"], dead  # nothing alive to wait for
     assert dead["other"]["missing"] == ["the device's 'call job' span of seq 6",
                                         "the device's 'receive' span of seq 7"], dead
     assert "merged without the device's 'call job' span of seq 6" in err, err

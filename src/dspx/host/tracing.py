@@ -214,8 +214,8 @@ def finish() -> Path | None:
         return None if rec is None else rec.path
     missing = wait_for_device()
     if missing:
-        logging.getLogger("dspx").warning("trace %s: merged without %s (not written within %.0f s)", rec.path,
-                                          ", ".join(missing), WAIT_S)
+        logging.getLogger("dspx").warning("trace %s: merged without %s (not written within %.0f s, or their "
+                                          "process ended first)", rec.path, ", ".join(missing), WAIT_S)
     rec.flush()
     data = merge(rec.path, _since)
     if missing:
