@@ -118,6 +118,60 @@ def test_records_wire_form():
     assert P.FLAG_PROFILE == 1 << 17
 
 
+# The drop path (issue 29): five rows of one run, the header and rows as
+# docs/protocol.md writes them, worked out by hand.
+_FAKE_RUN = [("kernel", "dspx.kernels.conv2d", "1x3x8x8", 0, 9_000_000),  # a 9 ms conv
+             ("tvm", "fused_add", "4", 100, 110),                          # 10 ns
+             ("vm", "vm.builtin.alloc_tensor", "", 200, 220),              # 20 ns
+             ("tvm", "fused_relu", "4", 300, 600),                         # 300 ns
+             ("kernel", "dspx.kernels.dense", "2x4", 1000, 6000)]          # 5 µs
+_ROWS = {"conv2d": "#dspx-profile-row\tkernel\tdspx.kernels.conv2d\t1x3x8x8\t1\t9000000\n",
+         "add": "#dspx-profile-row\ttvm\tfused_add\t4\t1\t10\n",
+         "relu": "#dspx-profile-row\ttvm\tfused_relu\t4\t1\t300\n",
+         "dense": "#dspx-profile-row\tkernel\tdspx.kernels.dense\t2x4\t1\t5000\n",
+         "alloc": "#dspx-profile-row\tvm\tvm.builtin.alloc_tensor\t\t1\t20\n"}
+
+
+def _head(rows, dropped):
+    return f"#dspx-profile\t1\truns=1\tentry_cycles=9100000\trows={rows}\tdropped={dropped}\n"
+
+
+def test_rows_that_do_not_fit_the_printf_ring_go_smallest_first_and_the_header_counts_them():
+    """profile_text keeps, in call order, the largest rows that fit ``room``
+    (the header's room counted with 4 bytes to spare for its own numbers), and
+    says in the header how many it dropped: first the 10 ns row, then the
+    20 ns one, then 300 ns, never the 9 ms conv before the small ones."""
+    from dspx.device.core.inference import profile_text
+
+    r = _ROWS  # in call order; a VM built-in's row where it was first called
+    everything = _head(5, 0) + r["conv2d"] + r["add"] + r["alloc"] + r["relu"] + r["dense"]
+    assert profile_text([_FAKE_RUN], 9_100_000, 1 << 16) == everything
+    assert profile_text([_FAKE_RUN], 9_100_000, len(everything) + 4) == everything  # an exact fit
+    one_less = _head(4, 1) + r["conv2d"] + r["alloc"] + r["relu"] + r["dense"]
+    assert profile_text([_FAKE_RUN], 9_100_000, len(everything) + 3) == one_less  # one byte short: 10 ns goes
+    two_less = _head(3, 2) + r["conv2d"] + r["relu"] + r["dense"]
+    assert profile_text([_FAKE_RUN], 9_100_000, len(two_less) + 4) == two_less
+    three_less = _head(2, 3) + r["conv2d"] + r["dense"]
+    assert profile_text([_FAKE_RUN], 9_100_000, len(two_less) + 3) == three_less
+    assert profile_text([_FAKE_RUN], 9_100_000, 10) == _head(0, 5)  # no room for any row: the header still says so
+    rep = parse("printed\n" + three_less)
+    assert (rep.dropped, [x.name for x in rep.rows]) == (3, ["dspx.kernels.conv2d", "dspx.kernels.dense"])
+
+
+def test_a_tiny_printf_ring_drops_rows_and_says_how_many(small):
+    """A real profiled call into a printf ring with room for the header and
+    about two rows: rows are dropped, the header's count plus the rows kept is
+    every row a roomy ring gets, and the kept rows fit the ring."""
+    vm, ins = small()
+    full = profile(vm, *ins)
+    assert full.dropped == 0 and len(full.rows) >= 4, full.table()
+    room = len(_head(99, 99)) + 4 + 2 * max(len(r) for r in _ROWS.values())
+    tiny, ins = small(printf_size=16 + room)  # layout.PRINTF_HEADER + room
+    rep = profile(tiny, *ins)
+    assert rep.dropped > 0 and rep.dropped + len(rep.rows) == len(full.rows), rep.table()
+    assert 1 <= len(rep.rows) <= 3
+
+
 def test_profile_without_a_printf_buffer_is_err_invalid(small):
     vm, ins = small(printf_size=0)
     with pytest.raises(DeviceError) as e:

@@ -13,8 +13,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from dspx.trace import parts_dir
 from dspx.transport import is_listening
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "softmax" / "softmax_ops.py"
@@ -216,3 +218,128 @@ def test_an_untraced_process_is_off_and_a_traced_one_on(tmp_path):
     assert on.returncode == 0, on.stderr
     assert on.stdout.split()[:2] == ["True", "False"] and set(on.stdout.split()[2:]) == files
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]  # merged at exit: the host's metadata
+
+
+# ---------------------------------------------------------------- the trace is complete (issue 29)
+
+def _spans_of(data):
+    """{process name: [(span name, args)]} of a merged trace, and the host's pid."""
+    events = data["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    by_proc = defaultdict(list)
+    for e in events:
+        if e["ph"] == "X":
+            by_proc[names.get(e["pid"])].append((e["name"], e.get("args", {})))
+    return by_proc, next(p for p, n in names.items() if n == "host")
+
+
+def test_dspx_run_trace_has_the_device_spans_of_its_calls_every_time(compiled, tmp_path):
+    """`dspx run DIR --trace OUT` 20 times against a shared traced device: each
+    merged trace holds, beside the host's spans, the front's receive of the
+    command's last request and the core's job of its INFER, both naming the
+    command's pid (the host waits for them before it merges), and nothing is
+    said missing.  A shared device keeps the part directory (it still writes
+    there); a private one is covered by test_profile's CLI test and the
+    late-part test below."""
+    module = compiled("multi_output")
+    meta = json.loads((module / "metadata.json").read_text())
+    np.save(tmp_path / "x.npy", np.ones(meta["inputs"][0]["shape"], meta["inputs"][0]["dtype"]))
+    d = tempfile.mkdtemp(prefix="dspx-trace-")  # 0700: a socket directory the device accepts
+    out, sock = tmp_path / "out.json", os.path.join(d, "dsp.sock")
+    env = {k: v for k, v in os.environ.items() if k != "DSPX_SOCKET"}
+    log = open(tmp_path / "device.log", "w+b")
+    dev = subprocess.Popen([sys.executable, "-m", "dspx.device", "--socket", sock, "--carveout-size", "64M"],
+                           env=dict(env, DSPX_TRACE=str(out)), stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while not is_listening(sock):
+            assert dev.poll() is None and time.monotonic() < deadline, "device did not start"
+            time.sleep(0.02)
+        for run in range(20):
+            r = subprocess.run([sys.executable, "-m", "dspx.cli", "run", str(module), "-i", str(tmp_path / "x.npy"),
+                                "--socket", sock, "--trace", str(out)], env=env, capture_output=True, text=True,
+                               timeout=120)
+            assert r.returncode == 0 and "merged without" not in r.stderr, (run, r.stderr)
+            data = json.loads(out.read_text())
+            spans, host = _spans_of(data)
+            assert "missing" not in data["otherData"], (run, data["otherData"])
+            assert {"infer", "send", "wait", "load module"} <= {n for n, _ in spans["host"]}, run
+            last_seq = max(a["seq"] for n, a in spans["host"] if n == "wait")
+            front = [a for n, a in spans["device front"] if n == "receive" and a.get("peer") == host]
+            assert last_seq in {a["seq"] for a in front}, (run, last_seq, front)
+            jobs = [a for n, a in spans["device core 0"] if n == "call job" and a["peer"] == host]
+            assert len(jobs) == 1, (run, jobs)  # the INFER of this command: events from its start only
+            assert "entry main" in {n for n, _ in spans["device core 0"]}, run
+    finally:
+        dev.terminate()
+        dev.wait(10)
+        log.close()
+    assert parts_dir(out).is_dir()  # the device was alive at every merge: its part stays
+
+
+# A stand-in device process: its part file at once, its spans of the host's
+# requests (seq 6 a call, seq 7 the last request) 0.5 s later ("late"), or
+# never: it ends first ("dead").
+DEVICE_PART = r'''
+import json, os, sys, time
+parts, host, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+f = open(os.path.join(parts, f"{os.getpid()}.jsonl"), "a")
+f.write(json.dumps({"name": "process_name", "ph": "M", "pid": os.getpid(), "tid": 0,
+                    "args": {"name": "device front"}}) + "\n")
+f.flush()
+if mode == "late":
+    time.sleep(0.5)
+    for name, seq in (("call job", 6), ("receive", 7), ("receive", 99)):
+        f.write(json.dumps({"name": name, "ph": "X", "ts": time.perf_counter_ns() / 1000, "dur": 1,
+                            "pid": os.getpid(), "tid": 1, "args": {"peer": host, "seq": seq}}) + "\n")
+    f.flush()
+    time.sleep(1)  # alive still when the host merges: its part stays
+'''
+
+HOST_WAITS = r'''
+import json, os, subprocess, sys, time
+from dspx import trace
+from dspx.host import tracing
+
+out, mode, device = sys.argv[1], sys.argv[2], sys.argv[3]
+tracing.WAIT_S = 10.0
+tracing.start_host(out)
+a = tracing.sent({}, None, 7, trace.clock())  # what a Client records: its last request (seq 7)
+a.call = (6, trace.clock())  # and its last call a core answered (seq 6)
+dev = subprocess.Popen([sys.executable, "-c", device, str(trace.parts_dir(out)), str(os.getpid()), mode])
+while not any(f.stem == str(dev.pid) for f in trace.parts_dir(out).glob("*.jsonl")):
+    time.sleep(0.01)
+if mode == "dead":
+    dev.wait()
+t0 = time.monotonic()
+tracing.finish()
+waited = time.monotonic() - t0
+print(json.dumps({"waited": waited, "parts": trace.parts_dir(out).is_dir(),
+                  "other": json.loads(open(out).read())["otherData"]}))
+dev.wait()
+'''
+
+
+def test_the_host_waits_for_a_late_device_part_and_says_what_is_missing(tmp_path):
+    """The host merges only once the device's parts hold its last request's
+    receive and its last call's job (a part written 0.5 s late is waited for;
+    its part stays, its process being alive); a device process that ends
+    without them is not waited for: the trace says what is missing, and the
+    parts of processes all gone are removed after the merge."""
+    env = {k: v for k, v in os.environ.items() if k != "DSPX_TRACE"}
+
+    def host(mode):
+        out = tmp_path / f"{mode}.json"
+        r = subprocess.run([sys.executable, "-c", HOST_WAITS, str(out), mode, DEVICE_PART], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.splitlines()[-1]), r.stderr
+
+    late, err = host("late")
+    # it waited for the late spans, and no longer than until they came (not WAIT_S)
+    assert "missing" not in late["other"] and late["waited"] < 8 and late["parts"], (late, err)
+    dead, err = host("dead")
+    assert dead["waited"] < 5 and not dead["parts"], dead  # nothing alive to wait for
+    assert dead["other"]["missing"] == ["the device's 'call job' span of seq 6",
+                                        "the device's 'receive' span of seq 7"], dead
+    assert "merged without the device's 'call job' span of seq 6" in err, err

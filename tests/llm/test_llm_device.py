@@ -336,10 +336,10 @@ def test_generate_stops_at_max_tokens_and_context(llm, tok):
     # a prompt that leaves room for 2 positions: the answer stops at the context
     ids = tok.encode_chat([{"role": "user", "content": "hi"}])
     filler = ids[:-5] + [tok.encode(" a")[0]] * (254 - len(ids)) + ids[-5:]
+    g.eos_id = -1  # no token ends the turn, so the answer cannot stop at EOS before the context (issue 29)
     res = g.generate(filler, 50, temperature=1.0, seed=0)
-    assert res.finish_reason in ("context", "eos")
-    if res.finish_reason == "context":
-        assert len(filler) + len(res.ids) == 257  # the last token needs no KV slot
+    assert res.finish_reason == "context"
+    assert len(filler) == 254 and len(filler) + len(res.ids) == 257  # the last token needs no KV slot
 
 
 def test_chat_reuses_the_cached_prefix(llm, tok):

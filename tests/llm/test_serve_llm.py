@@ -232,3 +232,127 @@ def test_concurrent_clients_run_one_at_a_time_in_arrival_order(client, service):
     assert got == want
     assert peak[0] == 1                # one at a time on the device
     assert started == submitted        # in arrival order
+
+
+# ---------------------------------------------------------------- every accepted spelling (issue 29)
+# Each accepted form of each parameter gets a request, and each is checked by
+# its effect on the answer, not by its status alone.
+
+RAW = "The capital of France is"
+
+
+def _ask(client, chat: bool, **kw):
+    """One request to /v1/chat/completions or /v1/completions (greedy unless told);
+    the answer's text, finish reason and usage (streamed answers joined)."""
+    kw.setdefault("temperature", 0)
+    api = client.chat.completions if chat else client.completions
+    r = api.create(model="x", **({"messages": MESSAGES} if chat else {"prompt": RAW}), **kw)
+    if not kw.get("stream"):
+        c = r.choices[0]
+        return (c.message.content if chat else c.text), c.finish_reason, r.usage
+    chunks = list(r)
+    text = "".join((c.choices[0].delta.content or "") if chat else c.choices[0].text for c in chunks if c.choices)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) <= 1 and (not usage or not chunks[-1].choices), "usage comes once, in a last, empty chunk"
+    return text, [c.choices[0].finish_reason for c in chunks if c.choices][-1], usage[0] if usage else None
+
+
+def _stop_inside(text: str) -> str:
+    """A word of ``text`` that a character of it occurs before: cut at its
+    characters, the answer would end sooner than at the word."""
+    for w in text.split()[1:]:
+        if any(ch in text[:text.index(w)] for ch in w):
+            return w
+    raise AssertionError(f"no word of {text!r} repeats an earlier character")
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_stop_as_a_string_or_a_list_cuts_at_the_whole_string(client, greedy, chat, stream):
+    full = greedy["chat" if chat else "raw"].text
+    stop = _stop_inside(full)
+    want = full[:full.index(stop)]
+    for form in (stop, [stop], ["zebra", stop], ["zebra", "qqq", "xyzzy", stop]):
+        text, finish, _ = _ask(client, chat, max_tokens=16 if chat else 8, stop=form, stream=stream)
+        assert (text, finish) == (want, "stop"), form
+    for form in (None, []):  # no stop: the whole answer
+        text, _, _ = _ask(client, chat, max_tokens=16 if chat else 8, stop=form, stream=stream)
+        assert text == full, form
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_max_tokens_and_max_completion_tokens_bound_the_answer(client, service, chat):
+    g = service.gen
+    want = g.generate(MESSAGES, 3) if chat else g.generate(RAW, 3, chat=False)
+    bounds = [{"max_tokens": 3}, {"extra_body": {"max_completion_tokens": 3}},
+              {"max_tokens": 16, "extra_body": {"max_completion_tokens": 3}}]  # the newer name wins
+    if chat:
+        bounds.append({"max_completion_tokens": 3})  # the client's own keyword
+    for kw in bounds:
+        for stream in (False, True):
+            usage_kw = {"stream_options": {"include_usage": True}} if stream else {}
+            text, finish, usage = _ask(client, chat, stream=stream, **usage_kw, **kw)
+            assert (text, finish, usage.completion_tokens) == (want.text, "length", 3), (kw, stream)
+    if chat:  # neither: the answer runs to its end of turn
+        text, finish, _ = _ask(client, chat)
+        assert (text, finish) == (g.generate(MESSAGES, 64).text, "stop")
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_stream_with_and_without_stream_options(client, greedy, service, chat):
+    want = greedy["chat" if chat else "raw"]
+    prompt = len(service.gen.encode(MESSAGES if chat else RAW, chat))
+    n = 16 if chat else 8
+    completion = len(want.ids) - (want.finish_reason == "eos")
+    for opts in (None, {}, {"include_usage": False}, {"include_usage": True}):
+        kw = {} if opts is None else {"stream_options": opts}
+        text, _, usage = _ask(client, chat, max_tokens=n, stream=True, **kw)
+        assert text == want.text, opts
+        if opts and opts.get("include_usage"):
+            assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+                prompt, completion, prompt + completion)
+        else:
+            assert usage is None, opts
+    text, _, usage = _ask(client, chat, max_tokens=n, stream=False)  # stream: false, said
+    assert text == want.text and usage.completion_tokens == completion
+
+
+def test_sampling_parameters_take_effect(client, greedy, service):
+    """temperature, top_p, top_k, seed, repeat_penalty and n, each by its effect."""
+    g, want = service.gen, greedy["chat"].text
+    story = [{"role": "user", "content": "Tell me a story."}]
+    # a candidate set of one token is greedy at any temperature
+    assert _ask(client, True, temperature=1.5, top_p=0, max_tokens=16)[0] == want
+    assert _ask(client, True, temperature=1.5, extra_body={"top_k": 1}, max_tokens=16)[0] == want
+    # no temperature sent: OpenAI's 1.0, the Generator's draw with the same seed
+    sampled = client.chat.completions.create(model="x", messages=story, seed=5, max_tokens=12)
+    assert sampled.choices[0].message.content == g.generate(story, 12, temperature=1.0, seed=5).text
+    nucleus = client.chat.completions.create(model="x", messages=story, seed=5, temperature=0.7, top_p=0.9,
+                                             extra_body={"top_k": 40}, max_tokens=12)
+    assert nucleus.choices[0].message.content == g.generate(story, 12, temperature=0.7, top_p=0.9, top_k=40,
+                                                            seed=5).text
+    # seed -1 is llama-server's "random" (as no seed): accepted
+    assert client.chat.completions.create(model="x", messages=story, seed=-1, max_tokens=4).choices[0].message.content
+    # repeat_penalty: the Generator's greedy answer under that penalty
+    penalized = _ask(client, True, max_tokens=16, extra_body={"repeat_penalty": 1.5})[0]
+    assert penalized == g.generate(MESSAGES, 16, repeat_penalty=1.5).text
+    assert _ask(client, True, max_tokens=16, n=1)[0] == want  # n=1, said
+
+
+def test_prompt_and_message_spellings(client, greedy, service):
+    """A prompt as a string or a list of one; content as a string or text
+    parts; a developer message as a system one; the request's model echoed."""
+    raw = greedy["raw"].text
+    for prompt in (RAW, [RAW]):
+        r = client.completions.create(model="my-model", prompt=prompt, temperature=0, max_tokens=8)
+        assert r.choices[0].text == raw and r.model == "my-model", prompt
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    r = client.chat.completions.create(model="x", messages=parts, temperature=0, max_tokens=16)
+    assert r.choices[0].message.content == greedy["chat"].text
+    sys_msgs = [{"role": "system", "content": "Answer in French."}, *MESSAGES]
+    want = service.gen.generate(sys_msgs, 16).text
+    for role in ("system", "developer"):
+        r = client.chat.completions.create(model="x", messages=[{"role": role, "content": "Answer in French."},
+                                                                *MESSAGES], temperature=0, max_tokens=16)
+        assert r.choices[0].message.content == want, role

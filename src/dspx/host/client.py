@@ -28,7 +28,7 @@ from ..errors import (CapacityError, ClosedError, DeviceError, DeviceLost, Devic
 from ..memory import DmaBuf
 from ..abi.protocol import Status
 from ..transport import PeerClosed, Timeout, TransportError, UntrustedPath, connect
-from . import launcher
+from . import launcher, tracing
 from .session import Session, failure
 
 DEFAULT_TIMEOUT = 60.0
@@ -82,6 +82,7 @@ class Client:
         self._infer_layouts: dict = {}  # layouts of recent inferences (see _layout)
         self._lock = threading.RLock()
         self._sent_at: dict[int, int] = {}  # seq -> when it was sent, while tracing
+        self._awaited: tracing.Awaited | None = None  # while tracing: the device spans to wait for at the end
         self.device: launcher.PrivateDevice | None = None
         path, self.device = launcher.resolve(socket, cores=cores, extra_args=device_args)
         self.socket_path = path
@@ -196,9 +197,7 @@ class Client:
         finally:
             if t0:
                 trace.complete("send", t0, "host")
-                self._sent_at[seq] = t0  # where a call's modeled DSP timeline starts (last_cost)
-                if len(self._sent_at) > 256:
-                    del self._sent_at[next(iter(self._sent_at))]
+                self._awaited = tracing.sent(self._sent_at, self._awaited, seq, t0)
 
     def _drain_for_send(self, deadline: float, request: str) -> None:
         import select
@@ -243,6 +242,8 @@ class Client:
                 try:
                     resp = self.session.take(seq)
                     if resp is not None:
+                        if t0:
+                            tracing.answered(self._awaited, self._sent_at, resp)
                         return resp
                     try:
                         self._receive(max(0.0, deadline - time.monotonic()))
@@ -547,6 +548,7 @@ class Client:
     # ---------------------------------------------------------------- close
     def _stop_device(self) -> None:
         if self.device is not None:
+            tracing.before_device_stops()
             self.device.stop()
             self.device = None
 

@@ -7,17 +7,76 @@ too, and at exit the program merges what every process recorded since it
 started into ``out.json`` (``finish``).  The host's spans (client calls,
 encode, copy-in, the VM's and the LLM's calls) are recorded where those
 calls are, each behind a test of ``trace.on``.
+
+A device process writes a top-level span to its part file only once the span
+ends, and that can be after the host already has its answer (a core answers
+the client inside its ``call job`` span).  So before it merges — and before
+it stops a private device — the host waits (``wait_for_device``, at most
+``WAIT_S``) until the device's parts hold the spans of its last requests:
+the front's ``receive`` of each connection's last request and the core's
+``call job`` of each connection's last call, both tagged with the host's pid
+(``peer``) and the seq.
 """
 from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
+import shutil
+import time
 from pathlib import Path
 
 from .. import trace
+from ..abi import protocol as P
 
 _since = 0.0  # µs: the host keeps events from when it started tracing
+WAIT_S = 5.0  # at most this long for a device's spans of the last calls (then merged without them, and said)
+_POLL_S = 0.01
+_awaited: list["Awaited"] = []  # one per connection that sent something while tracing
+_finished = False
+
+
+class Awaited:
+    """A connection's last request and last call a core answered, each as
+    (seq, when it was sent in perf_counter_ns): the device spans the host
+    waits for before it merges."""
+
+    __slots__ = ("request", "call")
+
+    def __init__(self):
+        self.request: tuple[int, int] | None = None
+        self.call: tuple[int, int] | None = None
+
+
+def sent(sent_at: dict, a: Awaited | None, seq: int, t0: int) -> Awaited:
+    """A client sent request ``seq`` at ``t0``: kept in ``sent_at`` (where a
+    call's modeled DSP timeline starts, ``last_cost``; the last 256) and as
+    the connection's last request in ``a`` (made on its first request)."""
+    sent_at[seq] = t0
+    if len(sent_at) > 256:
+        del sent_at[next(iter(sent_at))]
+    if a is None:
+        a = Awaited()
+        _awaited.append(a)
+    a.request = (seq, t0)
+    return a
+
+
+# The answers a core sends (a successful call ran on one): its "call job" span is waited for.
+_CALL_ANSWERS = (P.InferResp, P.InferLargeResp, P.RpcResp)
+
+
+def answered(a: Awaited | None, sent_at: dict, resp: P.Message) -> None:
+    """A client took the answer ``resp``: a core's, it is the connection's last call."""
+    if a is not None and resp.status == P.Status.SUCCESS and isinstance(resp, _CALL_ANSWERS):
+        a.call = (resp.seq, sent_at.get(resp.seq, 0))
+
+
+def before_device_stops() -> None:
+    """A private device's processes end now: let them write the spans of this host's calls first."""
+    if trace.on:
+        wait_for_device()
 
 
 def start_host(path, process: str = "host") -> trace.Recorder:
@@ -46,7 +105,11 @@ def _alive(pid: str) -> bool:
         return False
     except PermissionError:
         pass
-    return True
+    try:  # a zombie (a core nobody reaped yet) writes nothing more
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def host_from_env() -> None:
@@ -74,16 +137,96 @@ def merge(path, since: float = 0.0) -> dict:
             "otherData": {"clock": "CLOCK_MONOTONIC (time.perf_counter_ns), microseconds", "producer": "dspx"}}
 
 
-def finish() -> Path | None:
-    """Flush this process and write the merged trace (the host does this at exit)."""
+def _wanted() -> list[tuple[str, int, int]]:
+    """(span name, seq, sent at) of every device span the host waits for."""
+    want = set()
+    for a in _awaited:
+        if a.request is not None:
+            want.add(("receive", *a.request))
+        if a.call is not None:
+            want.add(("call job", *a.call))
+    return sorted(want)
+
+
+class _Tail:
+    """The spans of this host's requests that the other parts hold, read as
+    the parts grow (only what was appended since the last look)."""
+
+    def __init__(self, parts: Path, own_pid: int):
+        self.parts, self.own = parts, own_pid
+        self.offsets: dict[Path, int] = {}
+        self.seen: set[tuple[str, int, float]] = set()  # (name, seq, ts µs) with peer == this host
+
+    def read(self) -> bool:
+        """Take what was appended; True while some other part's process lives (it may still write)."""
+        live = False
+        for f in self.parts.glob("*.jsonl") if self.parts.is_dir() else ():
+            if f.stem == str(self.own):
+                continue
+            live = live or _alive(f.stem)
+            with open(f, "rb") as fh:
+                fh.seek(self.offsets.get(f, 0))
+                data = fh.read()
+            end = data.rfind(b"\n") + 1  # a line being written is taken next time
+            self.offsets[f] = self.offsets.get(f, 0) + end
+            for line in data[:end].splitlines():
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    continue
+                args = e.get("args") or {}
+                if e.get("ph") == "X" and args.get("peer") == self.own and "seq" in args:
+                    self.seen.add((e["name"], args["seq"], e["ts"]))
+        return live
+
+    def has(self, name: str, seq: int, sent_ns: int) -> bool:
+        # the span started after the host sent the request: not an older one of the same seq
+        return any(n == name and s == seq and ts >= sent_ns / 1000 - 1e-3 for n, s, ts in self.seen)
+
+
+def wait_for_device(timeout: float = WAIT_S) -> list[str]:
+    """Wait until the device's part files hold the spans of this host's last
+    requests (see the module's docstring), at most ``timeout`` s, and not at
+    all once no other part's process is alive; what is still missing, said."""
     rec = trace.recorder()
-    if rec is None:
-        return None
+    want = _wanted()
+    if rec is None or not want:
+        return []
+    tail = _Tail(trace.parts_dir(rec.path), os.getpid())
+    deadline = time.monotonic() + timeout
+    while True:
+        live = tail.read()
+        want = [w for w in want if not tail.has(*w)]
+        if not want or not live or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_S)
+    return [f"the device's {name!r} span of seq {seq}" for name, seq, _ in want]
+
+
+def finish() -> Path | None:
+    """Wait for the device's spans of this host's calls, flush this process
+    and write the merged trace (the host does this at exit; once).  The
+    parts are removed after, unless another live process still writes there
+    (a shared device, another host program)."""
+    global _finished
+    rec = trace.recorder()
+    if rec is None or _finished:
+        return None if rec is None else rec.path
+    missing = wait_for_device()
+    if missing:
+        logging.getLogger("dspx").warning("trace %s: merged without %s (not written within %.0f s, or their "
+                                          "process ended first)", rec.path, ", ".join(missing), WAIT_S)
     rec.flush()
     data = merge(rec.path, _since)
+    if missing:
+        data["otherData"]["missing"] = missing
     tmp = rec.path.with_name(rec.path.name + ".tmp")
     tmp.write_text(json.dumps(data), encoding="utf-8")
     tmp.replace(rec.path)
+    _finished = True
+    parts = trace.parts_dir(rec.path)
+    if all(f.stem == str(rec.pid) or not _alive(f.stem) for f in parts.glob("*.jsonl")):
+        shutil.rmtree(parts, ignore_errors=True)
     return rec.path
 
 

@@ -24,7 +24,7 @@ from ...abi import layout
 from ...abi.ops import FAULT_INJECTION_ENV
 from ...abi import protocol as P
 from ...abi.protocol import Status
-from ...transport import Endpoint, PeerClosed
+from ...transport import Endpoint, PeerClosed, peer_cred
 from .. import jobs
 from . import probe
 from .. import sandbox
@@ -149,6 +149,16 @@ class CoreWorker:
             os.close(fd)
         if failed is not None:
             raise failed
+
+    def _peer(self, rec: jobs.Call) -> int:
+        """The pid of the client a call answers (SO_PEERCRED of its socket), 0 if
+        unknown: what a traced host finds its calls' spans by (host/tracing.py)."""
+        spec = rec.spec or _spec(self.plans.get(rec.plan))
+        client = self.clients.get(spec.cid) if spec is not None else None
+        try:
+            return peer_cred(client)[0] if client is not None else 0
+        except OSError:
+            return 0
 
     def drop_buffers(self) -> None:
         """Close every client socket, unmap every buffer and drop every plan
@@ -460,7 +470,8 @@ class CoreWorker:
                 self._running_job = rec.job
                 try:
                     if trace.on:
-                        with trace.span("call job", "core", {"job": rec.job, "seq": rec.seq}, top=True):
+                        args = {"job": rec.job, "seq": rec.seq, "peer": self._peer(rec)}
+                        with trace.span("call job", "core", args, top=True):
                             self.call(rec, failed)
                     else:
                         self.call(rec, failed)

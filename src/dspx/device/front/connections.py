@@ -123,7 +123,7 @@ class Connections:
         s.setblocking(False)
         conn = Conn(self.st.new_id(), Endpoint(s), uid, pid=pid)
         self.st.conns[conn.cid] = conn
-        self.front.poller.register(s.fileno(), trace.timed(self.receive, "receive", "front", top=True), conn)
+        self.front.poller.register(s.fileno(), self.receive, conn)  # the loop traces it ("receive")
 
     # A connection past a limit: its requests are answered ERR_BUSY (GET_ERROR
     # says which limit, with the numbers) until it closes or REFUSED_LINGER_S

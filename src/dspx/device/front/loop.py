@@ -132,25 +132,38 @@ class Service:
 
     # ================================================================ requests
     def _on_conn(self, conn: Conn, events: int) -> None:
+        if not trace.on:
+            self._receive(conn)
+            return
+        t0, hdr = trace.clock(), None
+        try:
+            hdr = self._receive(conn)
+        finally:
+            # peer and seq: the span a traced host waits for before it merges (host/tracing.py)
+            trace.complete("receive", t0, "front", {"peer": conn.pid, "seq": hdr[1]} if hdr else None, top=True)
+
+    def _receive(self, conn: Conn):
+        """Handle what the connection's socket has; the header of the request read, if one was."""
         if conn.outbox:
             # Writable again (or hung up): drain first.  Its requests are read
             # again only once every response it is owed has been taken.
             self.connections.flush(conn)
-            return
+            return None
         try:
             data, fds, truncated = conn.ep.recv_ready()
         except PeerClosed:
             self.connections.close(conn)
-            return
+            return None
         except (BlockingIOError, InterruptedError, Timeout):
-            return
+            return None
         except OSError:
             self.connections.close(conn)
-            return
+            return None
         try:
             if conn.inflight:
                 self.supervisor.drain_for(conn)
             self._dispatch(conn, data, fds, truncated)
+            return P.peek_header(data) if trace.on else None
         except Exception as e:  # a bug on one connection must not take the device down
             self.log(f"internal error on connection {conn.cid}: {e!r}")
             self.connections.close(conn)
