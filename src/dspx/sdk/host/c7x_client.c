@@ -420,7 +420,7 @@ static int64_t shape_bytes(int32_t ndim, const int64_t *shape, int32_t bits) {
         if (shape[i] && n > (UINT64_MAX >> 4) / (uint64_t)shape[i]) return -1;
         n *= (uint64_t)shape[i];
     }
-    return (int64_t)(n * (uint64_t)bits / 8);
+    return (int64_t)(n * (uint64_t)(bits / 8)); /* whole bytes (dtype_ok): < 2^63, where n * bits could wrap */
 }
 
 DSPX_API int c7x_client_create_input(c7x_client_t *c, int32_t ndim, const int64_t *shape, int32_t dtype_code,
