@@ -12,7 +12,10 @@ the plain shim and refuse a sanitized library: tests that start one are left
 out when this process itself runs under ASan (LD_PRELOAD)."""
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+from pathlib import Path
 
 SAN = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
 SAN_PREFIXES = ("__asan_", "__ubsan_", "__sanitizer_", "__lsan_")
@@ -29,16 +32,45 @@ def _with_san(flags) -> list[str]:
     return flags + [f for f in SAN if f not in flags]
 
 
+def _includes_digest(sources, flags) -> str:
+    """What a source may include beyond the SDK headers (the cache key has
+    those and the sources): the C/C++ files beside each source and beside a
+    file a -D flag names (the IVP harness's -DDSPX_SEED)."""
+    named = [Path(f.split("=", 1)[1].strip('"')) for f in flags if f.startswith("-D") and "=" in f]
+    dirs = {Path(s).resolve().parent for s in sources} | {p.resolve().parent for p in named if p.is_file()}
+    h = hashlib.sha256()
+    for p in sorted(f for d in dirs for f in d.iterdir() if f.suffix in (".c", ".cc", ".cpp", ".h", ".hpp")):
+        h.update(str(p).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _patch_sdk() -> None:
     from dspx import sdk
 
     build_ops, build_cached = sdk.build_ops, sdk.build_cached
+    building = []  # set while build_cached runs the real build_ops
 
     def sanitized_build_ops(sources, output, extra_flags=(), echo=True, cost=False):
-        return build_ops(sources, output, _with_san(extra_flags), echo=echo, cost=cost)
+        if building:
+            return build_ops(sources, output, _with_san(extra_flags), echo=echo, cost=cost)
+        # cached by content: a sanitized compile of the seed's C++ takes seconds
+        flags = _with_san([*(sdk.COST_FLAGS if cost else ()), *extra_flags])
+        flags.append(f"-DDSPX_SAN_DEPS={_includes_digest(sources, flags)}")
+        building.append(1)
+        try:
+            built = build_cached(Path(output).name, [Path(s) for s in sources], flags, sdk=True)
+        finally:
+            building.pop()
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(built, output)
+        return Path(output)
 
     def sanitized_build_cached(name, sources, flags=(), *, sdk=True):
-        return build_cached(name, sources, _with_san(flags), sdk=sdk)  # the flags are the cache key
+        building.append(1)
+        try:
+            return build_cached(name, sources, _with_san(flags), sdk=sdk)  # the flags are the cache key
+        finally:
+            building.pop()
 
     sdk.build_ops, sdk.build_cached = sanitized_build_ops, sanitized_build_cached
 

@@ -3,7 +3,9 @@ real device: c7x_client_create_input hands out tensors inside input_buf
 exactly up to its capacity — a tensor that ends at the last byte succeeds, one
 byte more is -EFBIG, also after a first tensor and its 64-byte alignment —
 and a shape whose bit count overflows 64 bits is -EFBIG, not a small tensor.
-Expected offsets and codes are written out by hand from docs/c-api.md."""
+c7x_client_infer places copied inputs the same way, and an input size that
+wraps the 64-bit sum is -EFBIG, not a copy past the buffer.  Expected
+offsets and codes are written out by hand from docs/c-api.md."""
 from __future__ import annotations
 
 import errno
@@ -23,7 +25,8 @@ BOUNDS = r"""
 
 /* bounds RESERVE BITS:COUNT...: reserve_io(RESERVE, 4096), then one 1-D
  * create_input per argument (uint8 for 8 bits, else float); prints each
- * one's rc, offset from the first tensor and size, after filling it. */
+ * one's rc, offset from the first tensor and size, after filling it.
+ * infer:SIZE: an INFER of a 64-byte input and one of SIZE bytes (its rc). */
 int main(int argc, char **argv) {
     c7x_client_t *c;
     int rc = c7x_client_open(&c, NULL);
@@ -34,6 +37,21 @@ int main(int argc, char **argv) {
            c7x_client_get_input_data_offset(c));
     const char *first = NULL;
     for (int i = 2; i < argc; i++) {
+        if (strncmp(argv[i], "infer:", 6) == 0) { /* an input of that data_size, from outside input_buf */
+            static uint8_t elsewhere[1 << 16]; /* more than any size that fits */
+            c7x_tensor_desc_t in[2], out[1];
+            memset(in, 0, sizeof in);
+            in[0].data = in[1].data = elsewhere;
+            in[0].data_size = 64;
+            in[1].data_size = (size_t)strtoull(argv[i] + 6, NULL, 0);
+            in[0].ndim = in[1].ndim = 1;
+            in[0].dtype_bits = in[1].dtype_bits = 8;
+            in[0].dtype_code = in[1].dtype_code = 1;
+            in[0].shape[0] = 64;
+            in[1].shape[0] = (int64_t)in[1].data_size;
+            printf("t%d %d -1 0\n", i - 2, c7x_client_infer(c, 1, 0, in, 2, out, 1, 0, NULL));
+            continue;
+        }
         int bits = atoi(argv[i]);
         int64_t shape[1] = {strtoll(strchr(argv[i], ':') + 1, NULL, 0)};
         c7x_tensor_desc_t t;
@@ -90,3 +108,13 @@ def test_create_input_at_capacity_and_one_byte_over(bounds, shared_device, specs
 ])
 def test_create_input_of_a_shape_whose_bits_overflow_is_refused(bounds, shared_device, spec, rc):
     assert tensors(bounds, shared_device, spec, "8:64") == [(rc, -1, 0), (0, 0, 64)]
+
+
+@pytest.mark.parametrize("size, rc", [
+    # the descriptor region (80 bytes per input, 64-aligned: 192) comes first, then 64 bytes, then this one
+    (CAP - 256, -errno.EBADF),  # fits to the last byte: sent; the device has no module 1
+    (CAP - 255, EFBIG),  # one byte over: refused on the host
+    ((1 << 64) - 32, EFBIG),  # 64-aligned offset + size wraps 64 bits to a small end
+])
+def test_infer_inputs_at_capacity_and_a_size_that_wraps(bounds, shared_device, size, rc):
+    assert tensors(bounds, shared_device, f"infer:{size}") == [(rc, -1, 0)]

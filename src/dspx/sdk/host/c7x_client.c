@@ -559,8 +559,9 @@ DSPX_API int c7x_client_infer(c7x_client_t *c, uint32_t handle, uint32_t model_i
             copy[i] = 0; /* lives in the KV region */
             to_wire(c, d, c->staging.dsp_addr + (uint64_t)((const uint8_t *)d->data - c->staging.host), &w[i]);
         } else {
-            off[i] = dspx_align(pos, 64);
-            pos = off[i] + d->data_size;
+            /* saturating: a size that wrapped the sum would pass the capacity check below */
+            off[i] = pos > UINT64_MAX - 63 ? UINT64_MAX : dspx_align(pos, 64);
+            pos = d->data_size > UINT64_MAX - off[i] ? UINT64_MAX : off[i] + d->data_size;
             copy[i] = 1;
             to_wire(c, d, ib->dsp_addr + off[i], &w[i]);
         }
