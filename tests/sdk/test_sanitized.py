@@ -10,7 +10,10 @@ so it runs with libasan preloaded and ``detect_leaks=0`` (the interpreter's
 own allocations kept until exit would drown a leak report); tests that start
 a device process are left out there.  The C API tests load nothing into
 Python: their C programs (libdspx, the drivers) link the sanitizers
-themselves, with leak detection on; their devices are the plain ones."""
+themselves, with leak detection on; their devices are the plain ones.
+``handle_segv=0``: a test's deliberate crash stays the SIGSEGV it expects
+(ASan would turn it into a report and exit 1); a stray access still faults
+and fails its test."""
 from __future__ import annotations
 
 import os
