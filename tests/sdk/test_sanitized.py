@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 CC = shutil.which("gcc") or shutil.which("cc")
 #: the C API tests that exercise libdspx's C paths (errors of every call,
 #: outputs, staging, KV, tasks in flight, threads, a Python client beside),
-#: and all of test_c_bounds.py (create_input at capacity); left out for
+#: and all of test_c_client_edges.py (create_input at capacity); left out for
 #: time: the build / header / wire-layout checks (no C runs), the examples,
 #: the tests that compile the wide module (half a minute) or spend their
 #: time waiting on the device (bad requests' time-outs, kills)
@@ -89,4 +89,4 @@ def test_native_ops_and_ivp_under_asan_and_ubsan():
 
 @needs_asan
 def test_c_api_under_asan_and_ubsan():
-    run_sanitized(["tests/sdk/test_c_api.py", "tests/sdk/test_c_bounds.py"], preload=False, leaks=True, select=C_API)
+    run_sanitized(["tests/sdk/test_c_api.py", "tests/sdk/test_c_client_edges.py"], preload=False, leaks=True, select=C_API)
