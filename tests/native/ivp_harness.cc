@@ -109,6 +109,28 @@ void t_vecexpf(float *z, const float *x, int n, float m) { vecexpf_max(z, x, n, 
 float t_vecsum(const float *x, int n) { return vecsum(x, n); }
 void t_vecmul(float *z, const float *x, float s, int n) { vecmul(z, x, s, n); }
 int t_softmax(float *x, int n, float *out) { return dsp_softmax(x, n, out); }
+// A task (dspx_rt_run) over data the test placed at a page end: the
+// aligning loads' guard reads only what lies inside the task's buffers.
+struct task_args { int32_t op, n; float s; const float *x; float *z; };
+int t_task(void *in, void *out, void *tm) {
+  const task_args *a = (const task_args *)in;
+  float *o = (float *)out;
+  (void)tm;
+  switch (a->op) {
+    case 0: o[0] = vecmaxf(a->x, a->n); break;
+    case 1: o[0] = vecsum(a->x, a->n); break;
+    case 2: vecexpf_max(a->z, a->x, a->n, a->s); break;
+    case 3: vecmul(a->z, a->x, a->s, a->n); break;
+    default: {  // one aligning load at x
+      const xb_vecN_2xf32 *px = (const xb_vecN_2xf32 *)a->x;
+      valign al = IVP_LAN_2XF32_PP(px);
+      V v;
+      IVP_LAN_2XF32_IP(v, al, px);
+      stv(o, v);
+    }
+  }
+  return 0;
+}
 const void *t_tables(int which) {
   switch (which) {
     case 0: return expftblf;

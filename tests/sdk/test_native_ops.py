@@ -264,6 +264,97 @@ def test_autoinc_misuse_is_err_invalid(dev, scnt, sdim, dcnt, ddim, text):
     assert r.status == Status.ERR_INVALID and text in r.printf, r.printf
 
 
+# ------------------------------------------------------------------ auto-increment range checks at the edges
+
+GUARD = 4096
+
+
+@pytest.fixture
+def edged(sdk_ops):
+    """dev, with the data buffer inside a bigger mapping: a guard page of
+    0xEE on each side, so a transfer let through past either end reads
+    mapped memory (its bytes show in the output) instead of faulting."""
+    d = Dev(sdk_ops)
+    whole = mmap.mmap(-1, BUF + 2 * GUARD)
+    whole[:] = b"\xee" * len(whole)
+    view = memoryview(whole)[GUARD:GUARD + BUF]
+    d.add(2, DATA_ADDR, view)
+    d.data = np.frombuffer(view, np.uint8)
+    d.data[:] = np.arange(BUF) % 251
+    yield d
+    d.close()
+
+
+def strided(data: np.ndarray, off: int, cnt, dim) -> np.ndarray:
+    """The bytes a 4-loop pattern at data[off] reads, in order (numpy's view of it)."""
+    idx = (off + np.arange(cnt[0])[None, None, None, :] + np.arange(cnt[1])[None, None, :, None] * dim[0]
+           + np.arange(cnt[2])[None, :, None, None] * dim[1] + np.arange(cnt[3])[:, None, None, None] * dim[2])
+    return data[idx.ravel()]
+
+
+# (source offset, icnt0..3, dim1..3): each reaches exactly the first or the last byte of the buffer
+EXACT = [
+    (0, [BUF, 1, 1, 1], [0, 0, 0]),  # the whole buffer
+    (BUF - 256, [64, 4, 1, 1], [64, 0, 0]),  # rows up to the last byte
+    (BUF - 64 - 3 * 100, [64, 1, 1, 4], [0, 0, 100]),  # the fourth loop to the last byte
+    (192, [64, 4, 1, 1], [-64, 0, 0]),  # rows bottom-up, the last one at byte 0
+    (2 * 40, [16, 1, 3, 1], [0, -40, 0]),  # a negative dim2 to byte 0
+    (3 * 72, [8, 2, 1, 4], [5, 0, -72]),  # a negative dim3 beside a positive dim1
+    (BUF - 64 - 8, [64, 2, 2, 1], [-8, 8, 0]),  # both signs: to the last byte and back
+]
+
+
+@pytest.mark.parametrize("off, cnt, dim", EXACT)
+def test_autoinc_exactly_to_the_buffer_edges_is_allowed_and_right(edged, off, cnt, dim):
+    n = int(np.prod(cnt))
+    r = autoinc(edged, off, 3, cnt, dim, [n, 1, 1, 1], [0, 0, 0], n)
+    assert (r.status, r.return_value) == (0, 1), r.printf
+    assert np.array_equal(edged.out[:n], strided(edged.data, off, cnt, dim))
+
+
+def one_past(off, cnt, dim):
+    """The same pattern reaching one byte further out: before byte 0 when
+    it reached byte 0, past the end when it reached the last byte."""
+    lo = off + sum(min(0, (c - 1) * d) for c, d in zip(cnt[1:], dim))
+    return (off - 1 if lo == 0 else off + 1), cnt, dim
+
+
+@pytest.mark.parametrize("off, cnt, dim", [one_past(*e) for e in EXACT[1:]] + [
+    (0, [64, 4, 1, 1], [-64, 0, 0]),  # the issue's: 192 bytes before the buffer
+    (0, [1, 2, 1, 1], [-1, 0, 0]),  # one byte before
+    (BUF - 1, [2, 1, 1, 1], [0, 0, 0]),  # one byte past the end
+])
+def test_autoinc_one_byte_past_either_edge_is_err_invalid(edged, off, cnt, dim):
+    n = int(np.prod(cnt))
+    edged.out[:n] = 0
+    r = autoinc(edged, off, 3, cnt, dim, [n, 1, 1, 1], [0, 0, 0], n)
+    assert r.status == r.return_value == Status.ERR_INVALID, r.printf
+    assert "not inside the task's buffers" in r.printf
+    assert not edged.out[:n].any()  # nothing was copied
+
+
+@pytest.mark.parametrize("ddim", [64, 65])
+def test_autoinc_into_a_tile_exactly_its_size_and_one_byte_more(edged, ddim):
+    """The destination is a 256-byte tile: rows of 64 at a 64-byte pitch fill
+    it exactly; at a 65-byte pitch the last row ends 3 bytes past it."""
+    r = autoinc(edged, 0, 3, [64, 4, 1, 1], [64, 0, 0], [64, 4, 1, 1], [ddim, 0, 0], 256, tile=True)
+    if ddim == 64:
+        assert (r.status, r.return_value) == (0, 1), r.printf
+        assert np.array_equal(edged.out[:256], edged.data[:256])
+    else:
+        assert r.status == r.return_value == Status.ERR_INVALID, r.printf
+        assert "is not inside a live tile" in r.printf
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_autoinc_spans_beyond_64_bits_are_err_invalid(edged, sign):
+    big, dim = (1 << 31) - 1, (1 << 31) - 1 if sign > 0 else -(1 << 31)
+    cnt, dims = [1, big, big, big], [dim, dim, dim]  # three spans of ~2^62 bytes: 64-bit sums overflow
+    r = autoinc(edged, 4096, 3, cnt, dims, cnt, dims, 4096)
+    assert r.status == r.return_value == Status.ERR_INVALID, r.printf
+    assert "DmaError" in r.printf
+
+
 # ------------------------------------------------------------------ printf, logs, cycles
 
 def test_printf_logs_and_time_stamp(dev):

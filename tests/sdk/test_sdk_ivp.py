@@ -5,6 +5,10 @@ unchanged from examples/softmax_c/softmax_ivp.cc) against numpy."""
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
+import pickle
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +16,7 @@ import pytest
 
 from dspx import sdk
 from dspx.device.core import native
+from dspx.memory import AddressSpace, Region
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = ROOT / "examples" / "softmax_c" / "softmax_ivp.cc"
@@ -260,3 +265,98 @@ def test_seed_softmax_within_1e6_of_numpy(h, n):
     e = np.exp(x.astype(np.float64) - x.max())
     ref = e / e.sum()
     assert np.max(np.abs(out - ref) / ref) <= 1e-6
+
+
+# ------------------------------------------------------------------ tails at a page end, in a task
+
+PAGE = mmap.PAGESIZE
+TASK = struct.Struct("<iif4xQQ")  # struct task_args in tests/native/ivp_harness.cc
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+class PageEnd:
+    """A page of data followed by a PROT_NONE page: a read past the data's
+    end faults.  ``put(a)`` places a at the very end of the first page."""
+
+    def __init__(self):
+        self.mm = mmap.mmap(-1, 2 * PAGE)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        assert libc.mprotect(self.base + PAGE, PAGE, 0) == 0, os.strerror(ctypes.get_errno())
+        self.page = np.frombuffer(self.mm, np.uint8, PAGE)
+
+    def put(self, a: np.ndarray) -> int:
+        self.page[PAGE - a.nbytes:] = a.view(np.uint8)
+        return self.base + PAGE - a.nbytes
+
+
+def in_child(fn):
+    """fn() in a forked child: its result, or a failure naming the signal
+    that ended the child (a fault must fail this test, not end the run)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            data = pickle.dumps(("ok", fn()))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            data = pickle.dumps(("raised", repr(e)))
+        with os.fdopen(w, "wb") as f:
+            f.write(data)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, st = os.waitpid(pid, 0)
+    assert not os.WIFSIGNALED(st), f"the task died of signal {os.WTERMSIG(st)} (a read past the page end?)"
+    kind, value = pickle.loads(data)
+    assert kind == "ok", value
+    return value
+
+
+def run_at_page_end(h, *tasks):
+    """The harness's tasks (op, x, s, with_z), each on x placed at a page end
+    (and, with_z, writing an output z of x's size at the end of another), in
+    one forked child: [(out[:16], z)] in order."""
+    def run_all():
+        got = []
+        ctx = native.Context(np.zeros(1 << 16, np.uint8))
+        for op, x, s, with_z in tasks:
+            src, dst = PageEnd(), PageEnd()
+            px, pz = src.put(x), dst.put(np.zeros_like(x)) if with_z else 0
+            space = AddressSpace()
+            space.add(Region(1, 0xC000_0000, PAGE, memoryview(src.mm)[:PAGE]))
+            space.add(Region(2, 0xC010_0000, PAGE, memoryview(dst.mm)[:PAGE]))
+            args = np.frombuffer(bytearray(TASK.pack(op, x.size, s, px, pz)), np.uint8)
+            out = np.zeros(16, F32)
+            fault, rv, *_ = ctx.run(ctypes.cast(h.t_task, ctypes.c_void_p).value, args, out, space)
+            assert (fault, rv) == (0, 0), (op, fault, rv)
+            got.append((out, dst.page[PAGE - x.nbytes:].view(F32).copy() if with_z else None))
+        return got
+    return in_child(run_all)
+
+
+#: every tail length 1..15, a whole vector and a tail, and whole vectors
+#: (whose over-read starts exactly at the next, unmapped, page)
+PAGE_END_SIZES = [*range(1, 16), 16, 17, 23, 31, 32, 33, 47]
+
+
+@pytest.mark.parametrize("n", PAGE_END_SIZES)
+def test_seed_functions_on_data_ending_at_a_page_end(h, n):
+    x = rng.uniform(-20, 5, n).astype(F32)
+    m = F32(x.max())
+    ref = np.exp((x - m).astype(np.float64))
+    z = (ref * (1 + rng.uniform(-1e-7, 1e-7, n))).astype(F32)  # vecmul's input: any floats
+    (mx, _), (sm, _), (_, ez), (_, y) = run_at_page_end(h, (0, x, 0.0, False), (1, x, 0.0, False),
+                                                        (2, x, float(m), True), (3, z, 0.37, True))
+    assert mx[0] == m
+    assert abs(sm[0] - x.astype(np.float64).sum()) <= 1e-5 * np.abs(x).sum()
+    assert np.max(np.abs(ez - ref) / ref) < 5e-7
+    assert np.array_equal(y, z * F32(0.37))  # vecmul: a whole-vector load over the tail
+
+
+@pytest.mark.parametrize("n", range(1, 17))
+def test_an_aligning_load_over_a_page_end_reads_the_tail_and_zeros(h, n):
+    x = rng.uniform(-100, 100, n).astype(F32)
+    [(out, _)] = run_at_page_end(h, (4, x, 0.0, False))
+    assert np.array_equal(out, np.concatenate([x, np.zeros(16 - n, F32)]))  # lanes past the buffer read 0

@@ -761,9 +761,10 @@ static int pattern_from(struct pattern *pt, uint8_t *base, const int32_t cnt[4],
 
 static int pattern_range_ok(struct dspx_ctx *c, const struct pattern *pt, int *tile, size_t *off,
                             const char *what) {
-    int64_t lo = 0, hi = pt->cnt[0];
+    /* 128-bit: three spans of up to 2^62 bytes each overflow 64 bits */
+    __int128 lo = 0, hi = pt->cnt[0];
     for (int k = 1; k < 4; k++) {
-        int64_t span = (pt->cnt[k] - 1) * pt->dim[k];
+        __int128 span = (__int128)(pt->cnt[k] - 1) * pt->dim[k];
         if (span < 0)
             lo += span;
         else
@@ -771,7 +772,10 @@ static int pattern_range_ok(struct dspx_ctx *c, const struct pattern *pt, int *t
     }
     if (pt->base == NULL)
         return fail(DSPX_STATUS_ERR_INVALID, "DmaError: DmaUtilsAutoInc3d_configure: NULL %s pointer", what);
-    return dma_range_ok(c, pt->base + lo, (size_t)(hi - lo), tile, off, what);
+    if (-lo > (__int128)(uintptr_t)pt->base || hi - lo > (__int128)SIZE_MAX)
+        return fail(DSPX_STATUS_ERR_INVALID, "DmaError: DMA %s %p: the pattern spans more than the address space",
+                    what, (const void *)pt->base);
+    return dma_range_ok(c, pt->base - (size_t)-lo, (size_t)(hi - lo), tile, off, what);
 }
 
 DSPX_EXPORT int32_t DmaUtilsAutoInc3d_configure(int32_t chn, const DmaUtilsAutoInc3d_TransferProp *prop) {

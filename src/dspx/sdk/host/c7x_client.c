@@ -420,7 +420,7 @@ static int64_t shape_bytes(int32_t ndim, const int64_t *shape, int32_t bits) {
         if (shape[i] && n > (uint64_t)(INT64_MAX / 64) / (uint64_t)shape[i]) return -1; /* n * 64 bits fits */
         n *= (uint64_t)shape[i];
     }
-    return (int64_t)(n * (uint64_t)bits / 8);
+    return (int64_t)(n * (uint64_t)(bits / 8)); /* whole bytes (dtype_ok): < 2^63, where n * bits could wrap */
 }
 
 DSPX_API int c7x_client_create_input(c7x_client_t *c, int32_t ndim, const int64_t *shape, int32_t dtype_code,
@@ -599,8 +599,9 @@ DSPX_API int c7x_client_infer(c7x_client_t *c, uint32_t handle, uint32_t model_i
             copy[i] = 0; /* lives in the KV region */
             to_wire(c, d, c->staging.dsp_addr + (uint64_t)((const uint8_t *)d->data - c->staging.host), &w[i]);
         } else {
-            off[i] = dspx_align(pos, 64);
-            pos = off[i] + d->data_size;
+            /* saturating: a size that wrapped the sum would pass the capacity check below */
+            off[i] = pos > UINT64_MAX - 63 ? UINT64_MAX : dspx_align(pos, 64);
+            pos = d->data_size > UINT64_MAX - off[i] ? UINT64_MAX : off[i] + d->data_size;
             copy[i] = 1;
             to_wire(c, d, ib->dsp_addr + off[i], &w[i]);
         }

@@ -344,8 +344,9 @@ DSPX_INLINE valign dspx_valign0(void) { valign a = {0}; return a; }
 #define IVP_MOVN_2XF32_FROMN_2X32(x) (DSPX_OP(MOVE) ((dspx_v16f)DSPX_VI(x)))
 #define IVP_MOVNX16_FROMN_2X32(x) (DSPX_OP(MOVE) ((dspx_v32h)DSPX_VI(x)))
 
-#define IVP_ADDN_2X32(a, b) (DSPX_OP(ALU) (DSPX_VI(a) + DSPX_VI(b)))
-#define IVP_SUBN_2X32(a, b) (DSPX_OP(ALU) (DSPX_VI(a) - DSPX_VI(b)))
+/* in unsigned lanes: the documented wrap-around (a signed lane overflow is undefined in C) */
+#define IVP_ADDN_2X32(a, b) (DSPX_OP(ALU) ((dspx_v16i)((dspx_v16u)DSPX_VI(a) + (dspx_v16u)DSPX_VI(b))))
+#define IVP_SUBN_2X32(a, b) (DSPX_OP(ALU) ((dspx_v16i)((dspx_v16u)DSPX_VI(a) - (dspx_v16u)DSPX_VI(b))))
 #define IVP_SLLIN_2X32(x, s) (DSPX_OP(ALU) ((dspx_v16i)((dspx_v16u)DSPX_VI(x) << (s))))
 #define IVP_SRLIN_2X32(x, s) (DSPX_OP(ALU) dspx_srl(DSPX_VI(x), (s)))
 #define IVP_SRLIN_2X32U(x, s) (DSPX_OP(ALU) dspx_srl(DSPX_VI(x), (s)))
