@@ -417,7 +417,7 @@ static int64_t shape_bytes(int32_t ndim, const int64_t *shape, int32_t bits) {
     uint64_t n = 1;
     for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0) return -1;
-        if (shape[i] && n > (uint64_t)(INT64_MAX / 64) / (uint64_t)shape[i]) return -1; /* n * 64 bits fits */
+        if (shape[i] && n > (UINT64_MAX >> 4) / (uint64_t)shape[i]) return -1; /* n * 8 bytes fits below 2^63 */
         n *= (uint64_t)shape[i];
     }
     return (int64_t)(n * (uint64_t)(bits / 8)); /* whole bytes (dtype_ok): < 2^63, where n * bits could wrap */
