@@ -5,9 +5,8 @@ written in the test; the parameters are a dict, not a profile file."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import math
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -170,29 +169,15 @@ def test_reprice_and_format():
 
 
 @pytest.fixture
-def fake_profile(monkeypatch):
-    """dspx.costmodel.profile as the cost-py helper specifies it: load(name) -> Profile with
-    param(name) -> an object carrying value and status."""
-    import dspx.costmodel
-
-    class Param:
-        def __init__(self, value):
-            self.value, self.status = value, "assumed"
-
-    class Profile:
-        name = "c7x-test"
-
-        def param(self, key):
-            return Param(P[key])
-
-    def load(name):
-        if name != "c7x-test":
-            raise ValueError(f"no profile {name!r}")
-        return Profile()
-
-    mod = types.SimpleNamespace(load=load)
-    monkeypatch.setitem(sys.modules, "dspx.costmodel.profile", mod)
-    monkeypatch.setattr(dspx.costmodel, "profile", mod, raising=False)
+def fake_profile(monkeypatch, tmp_path):
+    """A user's profile file, ``c7x-test`` in the working directory: the shipped
+    c7x-j722s with P's values (all assumed) and no MMA float32 rate."""
+    shipped = json.loads((Path(E.__file__).parent / "profiles" / "c7x-j722s.json").read_text())
+    params = {k: v for k, v in shipped["params"].items() if k != "mma_fp32_macs_per_cycle"}
+    for k, v in P.items():
+        params[k] = {"value": v, "unit": "-", "status": "assumed", "source": "test", "range": [v, v]}
+    (tmp_path / "c7x-test").write_text(json.dumps(dict(shipped, name="c7x-test", params=params)))
+    monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(E.ENV, raising=False)
 
 
@@ -203,7 +188,7 @@ def test_when_requested(fake_profile, monkeypatch):
     assert E.when_requested(None, make) is None  # off
     got = E.when_requested("c7x-test", make)
     assert got["profile"] == "c7x-test" and got["params"] == P and got["status"]["l2_bytes"] == "assumed"
-    with pytest.raises(E.EstimateError, match="no profile 'nope'"):
+    with pytest.raises(E.EstimateError, match="cost model 'nope': no such profile"):
         E.when_requested("nope", make)
     monkeypatch.setenv(E.ENV, "nope")  # only the device's switch: skipped, not an error
     assert E.when_requested(None, make) is None
@@ -242,8 +227,7 @@ def test_compile_metadata_unchanged_without_and_recorded_with_a_cost_model(fake_
 
 
 def test_the_shipped_c7x_profile_gives_an_estimate():
-    """Once the profiles are merged: c7x-j722s carries every parameter an estimate needs."""
-    pytest.importorskip("dspx.costmodel.profile")
+    """The shipped c7x-j722s carries every parameter an estimate needs."""
     name, params, _ = E.load_params("c7x-j722s")
     est = E.estimate_onnx(small_model(), params, profile=name)
     assert est["profile"] == "c7x-j722s" and est["total_cycles"] > 0
@@ -260,5 +244,5 @@ def test_llm_package_hook(fake_profile):
     est = _cost_estimate(d, "c7x-test")
     assert est["profile"] == "c7x-test" and est["estimate"] is True
     assert est["decode"]["tok_per_s"] == E.estimate_llm(TINY, P, profile="x", position=16)["decode"]["tok_per_s"]
-    with pytest.raises(LLMCompileError, match="no profile 'nope'"):
+    with pytest.raises(LLMCompileError, match="cost model 'nope': no such profile"):
         _cost_estimate(d, "nope")

@@ -20,29 +20,17 @@ from pathlib import Path
 
 import pytest
 
+from dspx import costmodel
+from dspx.device.core import native
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "softmax_c"
 SOFTMAX_C_CMD = 0x3402  # examples/softmax_c/softmax.h
 ARGS_ADDR, DATA_ADDR, OUT_ADDR = 0xC000_0000, 0xC010_0000, 0xD000_0000
 
-#: The j6-vision profile's values the C model reads (COST-SPEC's names), as
-#: dspx.costmodel's profiles/j6-vision.json sets them (helper cost-py's commit
-#: 317f2dc, made before any comparison with the seed): 2 load/store and 2 ALU
-#: slots, 1 multiply, 1 for reductions and lane moves; DDR uncached, 100
-#: cycles per vector load, 4 per store; pipelined TCM; iDMA 150 cycles to
-#: start and 16 B/cycle per channel; 2000 cycles per call.  The profile
-#: itself is used when the package is there.
-J6_LIKE = {
-    "issue_load_store": 2, "issue_alu": 2, "issue_mul": 1, "issue_special": 1, "issue_move": 1,
-    "ddr_cached": 0, "ddr_load_latency_cycles": 100, "ddr_store_cycles": 4, "tcm_load_latency_cycles": 0,
-    "idma_setup_cycles": 150, "idma_bandwidth_bytes_per_cycle": 16, "call_overhead_cycles": 2000,
-}
-try:
-    from dspx.costmodel import load as _load_profile
-except ImportError:
-    pass
-else:
-    J6_LIKE = {name: _load_profile("j6-vision").param(name) for name in J6_LIKE}
+#: The j6-vision profile's values the C model reads (COST-SPEC's names;
+#: profiles/j6-vision.json, committed before any comparison with the seed).
+J6_LIKE = {name: costmodel.load("j6-vision").param(name) for name in native.COST_PARAMS}
 N_SEED = 100_000
 N_BIG = 2**20 + 3
 TILE_FLOATS = 256 * 1024 // 4  # TILE_SIZE (softmax.h) in floats: 65536
@@ -336,7 +324,6 @@ def _clock_args(counts: Counter) -> dict:
 @pytest.mark.parametrize("n", [N_SEED, N_BIG])
 @pytest.mark.parametrize("tcm", [0, 1], ids=["direct", "ping_pong"])
 def test_the_c_clock_is_the_python_reference_clock(runs, tcm, n):
-    costmodel = pytest.importorskip("dspx.costmodel")
     want = replay(n, bool(tcm), costmodel.CostClock(costmodel.load("j6-vision")))
     got = runs[(tcm, n)]["cost"]
     assert {k: got[k] for k in want} == want

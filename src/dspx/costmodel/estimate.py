@@ -41,6 +41,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Collection, Mapping
 
+from .profile import ProfileError, load
+
 log = logging.getLogger(__name__)
 
 ENV = "DSPX_COST_MODEL"
@@ -95,25 +97,9 @@ def requested(cost_model: str | None) -> str | None:
 def load_params(name_or_path: str) -> tuple[str, dict[str, float], dict[str, str]]:
     """(profile name, values, statuses) of the parameters an estimate needs,
     from dspx.costmodel.profile.load (a shipped name, a file, or JSON text)."""
-    from dspx.costmodel import profile as _profile
-
-    prof = _profile.load(name_or_path)
-    table = getattr(prof, "params", None)  # name -> Param(value, status, ...)
-    values, status = {}, {}
-    for key in NEEDED + FP32_ALIASES[1:]:
-        if isinstance(table, Mapping):
-            p = table.get(key)
-        else:
-            try:
-                p = prof.param(key)
-            except (LookupError, ValueError):
-                p = None
-        if p is None:
-            continue
-        values[key] = float(getattr(p, "value", p))
-        if getattr(p, "status", None):
-            status[key] = str(p.status)
-    return str(getattr(prof, "name", name_or_path)), values, status
+    prof = load(name_or_path)
+    have = [prof.params[k] for k in NEEDED + FP32_ALIASES[1:] if k in prof.params]
+    return prof.name, {p.name: float(p.value) for p in have}, {p.name: p.status for p in have}
 
 
 def when_requested(cost_model: str | None, make) -> dict | None:
@@ -128,9 +114,9 @@ def when_requested(cost_model: str | None, make) -> dict | None:
     try:
         profile, params, status = load_params(name)
         return make(params, profile=profile, status=status)
-    except Exception as e:  # noqa: BLE001 - ProfileError, EstimateError, a missing profile file
-        if cost_model:
-            raise EstimateError(f"cost model {name!r}: {e}") from None
+    except (ProfileError, EstimateError) as e:
+        if cost_model:  # a ProfileError names its profile or file already
+            raise EstimateError(str(e) if isinstance(e, ProfileError) else f"cost model {name!r}: {e}") from None
         log.warning("no board-time estimate under %s=%s: %s", ENV, name, e)
         return None
 

@@ -235,7 +235,7 @@ def configure_cost(params: dict | None, profile: str = "custom") -> None:
     missing = [name for name in COST_PARAMS if name not in params]
     if missing:
         raise ValueError(f"cost model {profile!r}: no value for {', '.join(missing)}")
-    values = CostParams(*(float(v["value"] if isinstance(v, dict) else v) for v in map(params.get, COST_PARAMS)))
+    values = CostParams(*(float(params[name]) for name in COST_PARAMS))
     if _shim is not None and not _shim_counts:
         raise RuntimeError("the plain runtime shim is already loaded: configure the cost model before the first "
                            "native op")
