@@ -104,9 +104,8 @@ def find_models(given) -> list:
     found = []
     for arg in given:
         name, sep, rest = str(arg).partition("=")
-        path = Path(rest if sep and name and "/" not in name else arg)
-        if not sep or "/" in name:
-            name = None
+        named = bool(sep and name and rest and "/" not in name and not Path(arg).exists())
+        path, name = (Path(rest), name) if named else (Path(arg), None)
         if not path.exists():
             raise DspxError(f"{path}: no such file or directory")
         if path.is_dir() and not _is_module_dir(path):
