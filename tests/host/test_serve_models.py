@@ -402,3 +402,15 @@ def test_ctrl_c_stops_with_130_and_closes_the_connections(workdir, dev):
     assert _http(s.url + "/v2/health/ready")[0] == 200
     assert s.stop(signal.SIGINT) == 130
     assert "Traceback" not in s.err_path.read_text()
+
+
+def test_a_module_the_device_refuses_ends_the_server_with_its_error(compiled, dev, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "metadata.json").write_text((compiled("multi_output") / "metadata.json").read_text())
+    (bad / "model.so").write_bytes(b"\x7fELF" + b"\0" * 60)  # an ELF header and nothing behind it
+    p = subprocess.run([*CLI, "serve-models", str(bad), "--port", "0", "--socket", dev.path],
+                       capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert "serving" not in p.stderr and "Traceback" not in p.stderr

@@ -8,8 +8,8 @@ and one error policy (``errors.py``): user mistakes as one ``error: …`` line
 on stderr (with ``--json``: one JSON error object on stdout) and a non-zero
 exit, Ctrl-C → exit 130.  The commands live one module per group:
 ``device`` (serve, ping, status, devices), ``info``, ``run``, ``compile``,
-``ops`` (load-ops, ops, build-ops, sdk) and ``llm`` (compile-llm, generate,
-chat, serve-llm).
+``ops`` (load-ops, ops, build-ops, sdk), ``llm`` (compile-llm, generate,
+chat, serve-llm) and ``serve_models`` (serve-models).
 
 Shell completion (click's): ``eval "$(_DSPX_COMPLETE=bash_source dspx)"``
 (``zsh_source``, ``fish_source`` for those shells)."""
