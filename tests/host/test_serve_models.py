@@ -206,8 +206,15 @@ def test_a_body_over_max_body_is_413(compiled):
     srv.models["multi_output"].vm = object()  # "loaded": the body is refused before it is used
     with TestClient(create_app(srv, max_body=100)) as c:
         r = c.post("/v2/models/multi_output/infer", content=b" " * 101)
+        bomb = c.post("/v2/models/multi_output/infer", content=gzip.compress(b" " * 10_000),
+                      headers={"Content-Encoding": "gzip"})  # 40 bytes that inflate past the limit
+        brotli = c.post("/v2/models/multi_output/infer", content=b"{}", headers={"Content-Encoding": "br"})
     assert r.status_code == 413 and r.json() == {
         "error": "the request body is 101 bytes; this server takes at most 100 (--max-body)"}
+    assert bomb.status_code == 413 and bomb.json() == {
+        "error": "the request body decompresses to more than 100 bytes (--max-body)"}
+    assert brotli.status_code == 400 and brotli.json() == {
+        "error": "Content-Encoding 'br' is not supported (gzip, deflate or none)"}
 
 
 # ---------------------------------------------------------------- the running server
@@ -412,5 +419,6 @@ def test_a_module_the_device_refuses_ends_the_server_with_its_error(compiled, de
     p = subprocess.run([*CLI, "serve-models", str(bad), "--port", "0", "--socket", dev.path],
                        capture_output=True, text=True, timeout=120)
     lines = p.stderr.strip().splitlines()
-    assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"error: model 'bad' ({bad}): ERR_LOAD"), p.stderr
     assert "serving" not in p.stderr and "Traceback" not in p.stderr

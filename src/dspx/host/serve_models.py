@@ -340,7 +340,11 @@ class ModelServer:
             if self.closed.is_set():
                 return
             self.loading = m.name
-            m.vm = VirtualMachine(m.source.path, socket=socket)
+            try:
+                m.vm = VirtualMachine(m.source.path, socket=socket)
+            except DspxError as e:  # which model, in the one error line (the type and status are kept)
+                e.args = (f"model {m.name!r} ({m.source.path}): {e}",)
+                raise
             socket = m.vm.client.socket_path
         self.loading, self.ready = None, True
 
