@@ -422,3 +422,43 @@ def test_a_module_the_device_refuses_ends_the_server_with_its_error(compiled, de
     assert p.returncode == 1 and len(lines) == 1, p.stderr
     assert lines[0].startswith(f"error: model 'bad' ({bad}): ERR_LOAD"), p.stderr
     assert "serving" not in p.stderr and "Traceback" not in p.stderr
+
+
+def test_int64_and_fp16_inputs_as_json_and_binary(compiled, dev):
+    """multi_input takes FP32, INT64 and FP16 inputs: each datatype in JSON and as bytes."""
+    from starlette.testclient import TestClient
+
+    from dspx.host.serve_models import ModelServer, create_app, find_models
+
+    d = compiled("multi_input")
+    meta = json.loads((d / "metadata.json").read_text())
+    rng = np.random.default_rng(5)
+    xs = {t["name"]: (rng.integers(0, 16, t["shape"]) if t["dtype"] == "int64" else
+                      rng.standard_normal(t["shape"])).astype(t["dtype"]) for t in meta["inputs"]}
+    kinds = {"float32": "FP32", "int64": "INT64", "float16": "FP16"}
+    want = _vm_outputs(dev, d, *xs.values())[0]
+    srv = ModelServer(find_models([d]))
+    srv.load(dev.path)
+    try:
+        with TestClient(create_app(srv)) as c:
+            def tensor(name, **extra):
+                return {"name": name, "shape": list(xs[name].shape), "datatype": kinds[xs[name].dtype.name], **extra}
+            as_json = {"inputs": [tensor(n, data=x.tolist()) for n, x in xs.items()]}  # nested lists
+            r = c.post("/v2/models/multi_input/infer", json=as_json)
+            assert r.status_code == 200, r.text
+            y = r.json()["outputs"][0]
+            assert np.array(y["data"], np.float32).reshape(y["shape"]).tobytes() == want.tobytes()
+            order = ["s", "idx", "a", "b", "c", "d", "e"]  # bytes follow the request's order, not the module's
+            head = json.dumps({"inputs": [tensor(n, parameters={"binary_data_size": xs[n].nbytes}) for n in order],
+                               "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
+            r = c.post("/v2/models/multi_input/infer", content=head + b"".join(xs[n].tobytes() for n in order),
+                       headers={"Inference-Header-Content-Length": str(len(head))})
+            assert r.status_code == 200, r.text
+            n = int(r.headers["Inference-Header-Content-Length"])
+            assert r.content[n:] == want.tobytes()
+            bad = {"inputs": [t if t["name"] != "idx" else {**t, "data": [0.5] * 16} for t in as_json["inputs"]]}
+            r = c.post("/v2/models/multi_input/infer", json=bad)
+            assert r.status_code == 400 and r.json()["error"].startswith(
+                "model 'multi_input': input 'idx' expects int64; got a list of float64 values")
+    finally:
+        srv.close()
