@@ -26,9 +26,9 @@ def error_object(e: BaseException) -> dict:
     out = {"status": "error", "error": type(e).__name__, "message": str(e), "code": -(getattr(e, "errno", None) or 1)}
     if isinstance(e, DeviceError):
         out.update(code=e.status, error=e.status_name, message=e.detail or str(e), **e.numbers)
-    elif isinstance(e, MissingExtra):
+    if isinstance(e, MissingExtra):  # a device's too (DeviceMissingExtra): the extra to install
         out.update(extra=e.extra, module=e.module)
-    elif isinstance(e, click.UsageError):
+    if isinstance(e, click.UsageError):
         out.update(code=-EXIT_USAGE, error="UsageError", message=e.format_message())
     elif _compile_error(e):
         out.update(operators=e.operators, node=e.node)

@@ -183,8 +183,8 @@ class VirtualMachine:
     def get_function_param_name(self, func_name: str, index: int) -> str:
         """The name of input ``index`` of ``func_name``."""
         specs = self._entry(func_name).inputs
-        if not 0 <= index < len(specs):
-            raise IndexError(f"{func_name} has {len(specs)} input{'s' * (len(specs) != 1)}; no input {index}")
+        if not 0 <= index < len(specs):  # TVM's ValueError, in its words
+            raise ValueError(f"Invalid index for {func_name} ({index} out of {len(specs)})")
         return specs[index].name
 
     def save_function(self, func_name: str, saved_name: str, *args, include_return: bool = True, **kwargs) -> None:
@@ -314,6 +314,18 @@ class VirtualMachine:
                 runs = self._timed_runs(args, named, fn, number)
             out.append(runs)
         return out
+
+    def _timed_runs(self, args, named, fn, n: int) -> list[int]:
+        """Per-run device cycles of ``n`` runs in one INFER."""
+        if n == 1:
+            self._run(args, named, fn=fn)
+            return [self.last_cycles]
+        with contextlib.redirect_stderr(io.StringIO()):  # the per-run lines are ours to read, not to show
+            self._run(args, named, repeat=n, fn=fn)
+        runs = [int(c) for c in re.findall(r"^run \d+: (\d+) cycles$", self.last_printf, re.M)]
+        if len(runs) != n:
+            raise DspxError(f"the device reported {len(runs)} run times for {n} runs")
+        return runs
 
     def profile(self, *inputs, runs: int = 1, fn: str | None = None, **named) -> ProfileReport:
         """Per-operator device times of one call of ``fn`` (the entry by
