@@ -120,3 +120,21 @@ def test_dir_lists_the_main_api_and_import_stays_light(tmp_path):
         assert name in dir(dspx) and name in dspx.__all__
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         dspx.Nope
+
+
+def test_every_extra_is_in_the_readme_and_in_all():
+    """The extras a MissingExtra can name, the README's table and `all` agree."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from dspx.errors import EXTRA_OF
+
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    in_all = set(re.fullmatch(r"dspx\[(.*)\]", extras["all"][0]).group(1).split(","))
+    user_extras = set(extras) - {"all", "test"}
+    assert in_all == user_extras - {"torch"}  # torch: 0.75 GB, not needed at run time
+    assert "plot" in in_all and set(EXTRA_OF.values()) <= user_extras
+    table = set(re.findall(r"^\| `(\w+)` \|", (root / "README.md").read_text(), re.M))
+    assert user_extras | {"all"} <= table
