@@ -264,7 +264,7 @@ class InferenceSession:
             outs = self._vm[self._vm.entry](**input_feed)
             return outs if isinstance(outs, list) else [outs]
         ts = self._profiler.now_us()
-        report, views = self._vm._profiled_run((), dict(input_feed), self._vm.entry)
+        report, views = self._vm.run_profiled((), dict(input_feed), self._vm.entry)
         outs = [np.array(v, copy=True) for v in views]
         self._profiler.run(ts, self._profiler.now_us() - ts, report)
         return outs

@@ -6,6 +6,7 @@
     y = vm["main"](x=x)                        # inputs by name (metadata.json)
     vm.set_input("main", x); vm.invoke_stateful("main"); y = vm.get_outputs("main")
     print(vm.time_evaluator("main", number=10, repeat=3)(x))   # device-side repeat, TVM's figures
+    vm.save_function("main", "on_x", x); vm.time_evaluator("on_x")()   # TVM's closures
     x_dev = vm.create_input((1, 3, 224, 224), "float32")   # lives in input_buf
     views = vm.run_nocopy(x_dev)               # views of output_buf, valid until the next call
 
@@ -163,7 +164,7 @@ class VirtualMachine:
             t0 = trace.clock() if trace.on else 0
             try:
                 if self._instrument is not None:
-                    rep, views = self._profiled_run(args, named, name)
+                    rep, views = self.run_profiled(args, named, name)
                     outs = [np.array(v, copy=True) for v in views]
                     self._replay_instrument(rep)
                 else:
@@ -209,9 +210,10 @@ class VirtualMachine:
     def set_instrument(self, instrument) -> None:
         """TVM's ``set_instrument``: ``instrument(func, func_symbol, before_run,
         ret_value, *args)`` for every call the entry makes.  The calls run on
-        the device, so a call with an instrument set is profiled (the PROFILE
-        flag) and the instrument is called afterwards for each call site in
-        call order, before and after: ``func`` is its ``ProfileRow`` (name,
+        the device, so a ``vm[name](...)`` call (and ``invoke_stateful``, a
+        saved function) with an instrument set is profiled (the PROFILE flag)
+        and the instrument is called afterwards for each call site, once
+        before and once after, in the order of their first calls: ``func`` is its ``ProfileRow`` (name,
         kind, calls, cycles), ``ret_value`` None, ``args`` one ``TensorShape``
         per tensor argument (``.shape``; outputs last).  It cannot skip a call
         (the device already ran it): returning ``VMInstrumentReturnKind.SKIP_RUN``
@@ -334,10 +336,10 @@ class VirtualMachine:
         (docs/protocol.md, "Profile records"): the core runs the entry on an
         instrumented copy of the module's VM and writes one row per call site
         to the printf ring, which ``dspx.host.profile`` reads into the report."""
-        rep, _ = self._profiled_run(inputs, named, fn or self.entry, runs)
+        rep, _ = self.run_profiled(inputs, named, fn or self.entry, runs)
         return rep
 
-    def _profiled_run(self, args, named, fn: str, runs: int = 1) -> tuple[ProfileReport, list]:
+    def run_profiled(self, args, named, fn: str, runs: int = 1) -> tuple[ProfileReport, list]:
         """(the profile report, the outputs as views of output_buf) of one INFER with the PROFILE flag."""
         if not 1 <= runs <= 0xFFFF:
             raise ValueError(f"runs must be 1..65535, got {runs}")
