@@ -99,6 +99,16 @@ def test_dspx_run_on_that_device_is_one_line(device_without_tvm, compiled, tmp_p
     assert r.stderr.strip() == "error: the device (ERR_LOAD on DYN_LOAD) " + HINT.format(module="tvm"), r.stderr
 
 
+def test_dspx_generate_on_that_device_is_one_line(device_without_tvm):
+    from dspx.compiler.llm import compiled_dir
+
+    package = compiled_dir(progress=False)  # the tests' cached SmolLM2 package
+    r = subprocess.run([sys.executable, "-m", "dspx.cli", "generate", "hi", "-n", "1", "--model", str(package),
+                        "--socket", device_without_tvm.path], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip() == "error: the device (ERR_LOAD on DYN_LOAD) " + HINT.format(module="tvm"), r.stderr
+
+
 def test_dir_lists_the_main_api_and_import_stays_light(tmp_path):
     r = _python("""
         import sys
