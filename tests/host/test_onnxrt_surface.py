@@ -59,6 +59,21 @@ def test_io_binding_like_onnxruntime(pair):
     np.testing.assert_allclose(o_pre, o_outs[1], rtol=0, atol=0)
 
 
+def test_ortvalues_bind_like_onnxruntime(pair):
+    """onnxruntime's own OrtValues bound as input and as a pre-allocated output."""
+    written = []
+    for sess in pair:
+        x = ort.OrtValue.ortvalue_from_numpy(X)
+        y = ort.OrtValue.ortvalue_from_shape_and_type([2, 24], np.float32)
+        io = sess.io_binding()
+        io.bind_ortvalue_input("x", x)
+        io.bind_ortvalue_output("tanh", y)
+        sess.run_with_iobinding(io)
+        written.append(y.numpy())
+    np.testing.assert_allclose(written[0], written[1], rtol=0, atol=TOL)
+    assert np.any(written[0] != 0)
+
+
 def test_io_binding_mistakes_are_named(pair):
     ours, theirs = pair
     io, ref = ours.io_binding(), theirs.io_binding()
@@ -167,3 +182,21 @@ def test_the_providers_dspx_accepts(pair, model, shared_device):
         with dspx.InferenceSession(str(model), providers=providers, socket=shared_device.path, progress=False,
                                    compile_options={"verify": False}) as s:
             assert s.get_providers() == ["DSPExecutionProvider"]
+
+
+def test_a_profile_file_never_replaces_one_that_exists(tmp_path, monkeypatch):
+    import datetime
+    import types
+
+    from dspx.host import onnxrt
+
+    moment = datetime.datetime(2026, 12, 3, 17, 4, 41, 86000)
+    monkeypatch.setattr(onnxrt, "datetime", types.SimpleNamespace(datetime=types.SimpleNamespace(now=lambda: moment)))
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "onnxruntime_profile__2026-12-03_17-04-41_086.json"  # onnxruntime's name for that moment
+    mine.write_text("the user's")
+    p = onnxrt.Profiler("onnxruntime_profile_")
+    p.add("Session", "model_run", 0, 5)
+    path = p.write()
+    assert path == "onnxruntime_profile__2026-12-03_17-04-41_086_1.json" and mine.read_text() == "the user's"
+    assert json.loads((tmp_path / path).read_text())[0]["name"] == "model_run"

@@ -5,6 +5,7 @@
     y = np.empty((2, 24), np.float32)
     io.bind_output("relu", "cpu", 0, np.float32, y.shape, y.ctypes.data)   # written in place
     io.bind_output("softmax")                      # allocated by the session
+    io.bind_ortvalue_output("tanh", ort_value)     # an onnxruntime.OrtValue on the CPU, written in place
     sess.run_with_iobinding(io)
     relu, softmax = io.copy_outputs_to_cpu()       # or io.get_outputs(): OrtValue-like
 
@@ -70,6 +71,17 @@ def _from_pointer(buffer_ptr: int, element_type, shape) -> np.ndarray:
     return np.frombuffer(raw, np.uint8).view(dt).reshape(shape)
 
 
+def _ortvalue_array(v, name: str) -> np.ndarray:
+    """The memory of an OrtValue (onnxruntime's or ours) as an array, by its pointer."""
+    from .onnxrt import ORT_TYPES
+
+    _check_device(v.device_name(), name)
+    dtype = {t: d for d, t in ORT_TYPES.items()}.get(v.data_type())
+    if dtype is None:
+        raise InputError(f"{name!r}: an OrtValue of {v.data_type()} is not a tensor dspx binds", name)
+    return _from_pointer(v.data_ptr(), dtype, v.shape())
+
+
 def _check_device(device_type: str, name: str) -> None:
     if str(device_type).lower() != "cpu":
         raise InputError(f"{name!r}: device_type {device_type!r}: dspx binds host memory ('cpu'); the device "
@@ -102,6 +114,11 @@ class IOBinding:
         _check_device(device_type, name)
         self._inputs[name] = _from_pointer(buffer_ptr, element_type, shape)
 
+    def bind_ortvalue_input(self, name: str, ortvalue) -> None:
+        """An ``onnxruntime.OrtValue`` on the CPU (or one of ours), read where it lies."""
+        self._spec("inputs", name)
+        self._inputs[name] = _ortvalue_array(ortvalue, name)
+
     def clear_binding_inputs(self) -> None:
         self._inputs.clear()
 
@@ -124,6 +141,11 @@ class IOBinding:
         if got != str(spec):
             raise InputError(f"output {name!r} is {spec}; the bound buffer is {got}", name, str(spec), got)
         self._outputs[name] = _from_pointer(buffer_ptr, element_type, shape)
+
+    def bind_ortvalue_output(self, name: str, ortvalue) -> None:
+        """A pre-allocated output: an ``onnxruntime.OrtValue`` on the CPU, written in place."""
+        a = _ortvalue_array(ortvalue, name)
+        self.bind_output(name, "cpu", 0, a.dtype, a.shape, a.ctypes.data)
 
     def clear_binding_outputs(self) -> None:
         self._outputs.clear()
