@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from dspx import sdk
-from dspx.errors import DeviceError
+from dspx.errors import DeviceError, OpFailed
 from dspx.host.client import Client
 from dspx.host.tasks import Tasks
 
@@ -132,6 +132,8 @@ def launch(dev_path: str, tmp_path: Path, place: str, body: str, arg: int = 0, *
                 r = u.run(ATTACK_CMD, inp, out, core=core, timeout_ms=timeout_ms)
             except DeviceError as e:
                 return Outcome(e.status_name, error=str(e))
+            except OpFailed as e:  # the handler's non-zero return: the attack's figure
+                return Outcome(value=e.return_value)
             return Outcome(value=r.return_value)
         finally:
             try:

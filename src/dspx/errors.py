@@ -4,6 +4,7 @@ allocated)."""
 from __future__ import annotations
 
 import errno
+import re
 
 from .abi.protocol import Status
 
@@ -97,7 +98,21 @@ _BY_STATUS = {
 
 
 def device_error(status: int, message: str = "", request: str = "", **numbers) -> DeviceError:
+    module = device_missing_module(message)
+    if module:
+        return DeviceMissingExtra(module, status, message, request, **numbers)
     return _BY_STATUS.get(status, DeviceError)(status, message, request, **numbers)
+
+
+class OpFailed(DspxError):
+    """A custom operator that ran and returned non-zero (``hbUCPWaitTaskDone``'s
+    -EREMOTEIO): ``cmd``, ``name``, ``return_value``, ``core`` and the ``task``."""
+
+    def __init__(self, cmd: int, name: str, return_value: int, core: int = -1, task=None):
+        self.cmd, self.name, self.return_value, self.core, self.task = cmd, name, return_value, core, task
+        where = f" on core {core}" if core >= 0 else ""
+        super().__init__(f"op 0x{cmd:x} ({name}) returned {return_value}{where}: the op failed "
+                         f"(0 is success; the task's return_value holds the code)")
 
 
 class ClosedError(DspxError):
@@ -125,8 +140,35 @@ class MissingExtra(DspxError, ImportError):
 
     def __init__(self, module: str, what: str = "this"):
         self.module, self.extra = module, EXTRA_OF.get(module.split(".")[0], "all")
-        super().__init__(f"{what} needs the '{self.extra}' extra ({module} is not installed): "
-                         f"pip install 'dspx[{self.extra}]'")
+        super().__init__(_extra_text(module, what), name=module)
+
+
+def _extra_text(module: str, what: str) -> str:
+    extra = EXTRA_OF.get(module.split(".")[0], "all")
+    return f"{what} needs the '{extra}' extra ({module} is not installed): pip install 'dspx[{extra}]'"
+
+
+class DeviceMissingExtra(MissingExtra, DeviceError):
+    """A device that lacks an optional dependency (its core said so): both the
+    device's failure (``status``, ``request``) and the MissingExtra naming the extra."""
+
+    def __init__(self, module: str, status: int, message: str = "", request: str = "", **numbers):
+        DeviceError.__init__(self, status, message, request, **numbers)
+        self.module, self.extra = module, EXTRA_OF.get(module.split(".")[0], "all")
+        ImportError.__init__(self, _extra_text(module, f"the device ({self.status_name} on {request or 'a request'})"),
+                             name=module)
+
+
+# The device's words for a missing optional module: its core's (the extra named,
+# see _extra_text) or, from an older device, Python's own.
+_DEVICE_MISSING = re.compile(r"needs the '\w+' extra \(([\w.]+) is not installed\)|No module named '([\w.]+)'")
+
+
+def device_missing_module(message: str) -> str | None:
+    """The optional module a device's failure text says it lacks, if any."""
+    m = _DEVICE_MISSING.search(message or "")
+    module = m and (m.group(1) or m.group(2))
+    return module if module and module.split(".")[0] in EXTRA_OF else None
 
 
 def missing_extra(e: ImportError, what: str = "this") -> MissingExtra | None:

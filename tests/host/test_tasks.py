@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import scipy.special
 
-from dspx.errors import BadHandle, Busy, CallFailed, DeviceTimeout, MissingSymbol, ModuleLoadError, UnknownOp
+from dspx.errors import (BadHandle, Busy, CallFailed, DeviceTimeout, MissingSymbol, ModuleLoadError, OpFailed,
+                         UnknownOp)
 from dspx.host.tasks import SOFTMAX_CMD, Tasks, softmax_param
 from conftest import Device
 
@@ -211,8 +212,9 @@ def test_mem_map_respects_connection_buffers(dev2, test_lib):
         inp = a.malloc(16)
         inp.view(np.uint64)[:] = [src.phy, 64]
         out = a.malloc(64)
-        t = a.run(0x3004, inp, out)
-        assert t.return_value == 7 and bytes(out.vir) == bytes(range(64))
+        with pytest.raises(OpFailed) as e:  # peek returns 7 after its copy
+            a.run(0x3004, inp, out)
+        assert e.value.return_value == 7 and bytes(out.vir) == bytes(range(64))
         # Another connection naming a's buffer: ERR_ADDR from mem_map.
         inp_b = b.malloc(16)
         inp_b.view(np.uint64)[:] = [src.phy, 64]
@@ -243,7 +245,9 @@ def test_op_library_refusals(ucp):
 def test_unload_unregisters(ucp):
     src = "from dspx.device.core import runtime as rt\nrt.register_op(0x3100, lambda i, o, t: 5)\n"
     h, n = ucp.load_ops(src)
-    assert n == 1 and ucp.run(0x3100, ucp.malloc(4), ucp.malloc(4)).return_value == 5
+    assert n == 1
+    with pytest.raises(OpFailed, match="returned 5"):
+        ucp.run(0x3100, ucp.malloc(4), ucp.malloc(4))
     ucp.unload_ops(h)
     assert 0x3100 not in [o["cmd"] for o in ucp.ops()]
     with pytest.raises(UnknownOp):
@@ -286,3 +290,28 @@ def test_op_library_over_the_size_limit_is_err_size(ucp):
     with pytest.raises(OutputTooSmall, match="131072"):
         ucp.load_ops(big)
     assert ucp.run(SOFTMAX_CMD, ucp.malloc(24), ucp.malloc(4)).state == "released"
+
+
+def test_an_op_that_returns_non_zero_raises_with_its_name_and_value(ucp):
+    """As the C hbUCPWaitTaskDone (-EREMOTEIO): the op ran, returned -7, and
+    wait/run say so, naming the op; the task keeps the code and can be released."""
+    src = ("from dspx.device.core import runtime as rt\n"
+           "rt.register_op(0x3110, lambda i, o, t: -7, name='fails_on_purpose')\n"
+           "rt.register_op(0x3111, lambda i, o, t: 0, name='succeeds')\n")
+    h, _ = ucp.load_ops(src)
+    try:
+        task = ucp.submit(ucp.rpc(0x3110, ucp.malloc(4), ucp.malloc(4)), core=0)
+        with pytest.raises(OpFailed) as e:
+            ucp.wait(task, timeout_ms=30_000)
+        assert (e.value.cmd, e.value.name, e.value.return_value, e.value.core) == (0x3110, "fails_on_purpose", -7, 0)
+        assert "op 0x3110 (fails_on_purpose) returned -7" in str(e.value) and e.value.task is task
+        assert task.state == "failed" and task.return_value == -7
+        with pytest.raises(OpFailed):  # waiting again says the same
+            ucp.wait(task)
+        ucp.release(task)
+        with pytest.raises(OpFailed, match="returned -7") as e:  # run: the same, and the task released
+            ucp.run(0x3110, ucp.malloc(4), ucp.malloc(4))
+        assert e.value.task.state == "released"
+        assert ucp.run(0x3111, ucp.malloc(4), ucp.malloc(4)).return_value == 0
+    finally:
+        ucp.unload_ops(h)

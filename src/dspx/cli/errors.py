@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import sys
 
 import click
@@ -27,9 +26,9 @@ def error_object(e: BaseException) -> dict:
     out = {"status": "error", "error": type(e).__name__, "message": str(e), "code": -(getattr(e, "errno", None) or 1)}
     if isinstance(e, DeviceError):
         out.update(code=e.status, error=e.status_name, message=e.detail or str(e), **e.numbers)
-    elif isinstance(e, MissingExtra):
+    if isinstance(e, MissingExtra):  # a device's too (DeviceMissingExtra): the extra to install
         out.update(extra=e.extra, module=e.module)
-    elif isinstance(e, click.UsageError):
+    if isinstance(e, click.UsageError):
         out.update(code=-EXIT_USAGE, error="UsageError", message=e.format_message())
     elif _compile_error(e):
         out.update(operators=e.operators, node=e.node)
@@ -50,14 +49,16 @@ def message(e: BaseException) -> str:
 
 def user_error(e: Exception, what: str) -> Exception:
     """``e``, or the MissingExtra it stands for (an import error, here or on the device)."""
-    from ..errors import EXTRA_OF, DeviceError, MissingExtra, missing_extra
+    from ..errors import DeviceError, MissingExtra, device_missing_module, missing_extra
 
+    if isinstance(e, MissingExtra):  # already names the extra (and, from a device, says so)
+        return e
     if isinstance(e, ImportError):
         return missing_extra(e, what) or e
-    # A device without an optional dependency reports the import error in its text.
-    m = re.search(r"No module named '([\w.]+)'", str(e)) if isinstance(e, DeviceError) else None
-    if m and m.group(1).split(".")[0] in EXTRA_OF:
-        return MissingExtra(m.group(1).split(".")[0], f"the device ({e.status_name} on {e.request or 'a request'})")
+    # A device without an optional dependency says so in its text.
+    module = device_missing_module(e.detail) if isinstance(e, DeviceError) else None
+    if module:
+        return MissingExtra(module, f"the device ({e.status_name} on {e.request or 'a request'})")
     return e
 
 

@@ -43,6 +43,11 @@ def _kind(a: np.ndarray) -> str:
     return f"{a.dtype.name}[{', '.join(map(str, a.shape))}]"
 
 
+def what(x) -> str:
+    """How an error names a value that is not an array: "a list", "a str" …"""
+    return "a list" if isinstance(x, (list, tuple)) else f"a {type(x).__name__}"
+
+
 def to_array(x, spec: TensorSpec | None = None) -> np.ndarray:
     """``x`` as a numpy array (no copy when it already is one or shares memory by DLPack)."""
     if isinstance(x, np.ndarray):
@@ -61,19 +66,19 @@ def to_array(x, spec: TensorSpec | None = None) -> np.ndarray:
     if spec is None:
         return np.asarray(x)
     # A Python list or scalar: converted when every value fits the dtype.
-    what = "a list" if isinstance(x, (list, tuple)) else f"a {type(x).__name__}"
+    kind = what(x)
     try:
         raw = np.asarray(x)
     except ValueError as e:  # ragged lists
-        raise InputError(f"input {spec.name!r}: {what} that is not a rectangular array ({e})",
-                         spec.name, str(spec), what) from None
+        raise InputError(f"input {spec.name!r}: {kind} that is not a rectangular array ({e})",
+                         spec.name, str(spec), kind) from None
     want = np.dtype(spec.dtype)
     if raw.dtype == object or not np.can_cast(raw.dtype, want, "same_kind"):
-        raise InputError(f"input {spec.name!r} expects {want.name}; got {what} of {raw.dtype.name} values "
+        raise InputError(f"input {spec.name!r} expects {want.name}; got {kind} of {raw.dtype.name} values "
                          f"(convert it, e.g. np.asarray(x, {want.name!r}))", spec.name, str(spec), raw.dtype.name)
     a = raw.astype(want)
     if raw.dtype.kind in "iu" and want.kind in "iu" and not np.array_equal(a, raw):
-        raise InputError(f"input {spec.name!r}: values of {what} do not fit {want.name}", spec.name,
+        raise InputError(f"input {spec.name!r}: values of {kind} do not fit {want.name}", spec.name,
                          str(spec), raw.dtype.name)
     return a
 
@@ -118,4 +123,4 @@ def bind(specs: list[TensorSpec], args, named: dict, fn: str = "main", skip=()) 
     return out
 
 
-__all__ = ["TensorSpec", "specs", "to_array", "bind"]
+__all__ = ["TensorSpec", "specs", "what", "to_array", "bind"]

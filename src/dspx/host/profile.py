@@ -3,6 +3,7 @@
     report = vm.profile(x)             # VirtualMachine.profile makes the call
     print(report)                      # table sorted by time, share of total
     report.json()                      # {"entry_cycles":…, "rows": […]}
+    report.csv()                       # one row per call site, TVM's columns
 
 The call is one INFER with the PROFILE flag (docs/protocol.md, "Profile
 records"): the core runs the entry on an instrumented copy of the module's
@@ -12,6 +13,8 @@ writes one row per call site to the printf ring, which ``parse`` reads.
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -89,6 +92,21 @@ class ProfileReport:
 
     def json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)
+
+    # TVM's Report.csv() columns for a call, plus the call's kind
+    CSV_COLUMNS = ("Name", "Duration (us)", "Percent", "Count", "Device", "Argument Shapes", "Kind")
+
+    def csv(self) -> str:
+        """The rows as CSV, like TVM's ``Report.csv()``: per call site, no totals.
+        Duration (us) is summed over the site's calls and the runs (device
+        cycles at 1 GHz nominal), Percent its share of the entry's time."""
+        out = io.StringIO()
+        w = csv.writer(out, lineterminator="\n")
+        w.writerow(self.CSV_COLUMNS)
+        for r in self.rows:
+            w.writerow([r.name, f"{r.cycles / 1e3:.3f}", f"{r.share * 100:.2f}", r.calls, "dsp0",
+                        r.shapes.replace(",", ", "), r.kind])
+        return out.getvalue()
 
 
 def parse(text: str) -> ProfileReport:

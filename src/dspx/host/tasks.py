@@ -8,7 +8,7 @@ The Horizon UCP flow (seed ``ucp-dsp-custom-operator``), one call each:
         out = ucp.malloc(4 * n)
         task = ucp.rpc(0x1402, param, out)     # hbDSPRpcV2
         ucp.submit(task, core=ANY, priority=0) # hbUCPSubmitTask
-        ucp.wait(task, timeout_ms=5000)        # hbUCPWaitTaskDone
+        ucp.wait(task, timeout_ms=5000)        # hbUCPWaitTaskDone (raises OpFailed on a non-zero return)
         ucp.release(task)                      # hbUCPReleaseTask
 
 Several tasks may be in flight at once; responses are matched by seq.
@@ -24,7 +24,7 @@ from .. import memory, trace
 from ..abi import protocol as P
 from ..abi import ops
 from ..abi.ops import SOFTMAX_CMD, SOFTMAX_PARAM  # noqa: F401  (re-exported for the UCP flow)
-from ..errors import DspxError
+from ..errors import DspxError, OpFailed
 from .client import Client
 
 ANY = P.CORE_ANY
@@ -120,7 +120,10 @@ class Tasks:
                 trace.complete("submit task", t0, "host", top=True)
 
     def wait(self, task: Task, timeout_ms: int = 30_000) -> Task:
-        """Block until the task is done (raises its typed error if it failed)."""
+        """Block until the task is done.  A task that failed raises: the
+        device's typed error, or ``OpFailed`` (the op's name and non-zero
+        ``return_value``) when the op ran and returned non-zero; either way
+        ``task.return_value`` holds the code and the task can be released."""
         t0 = trace.clock() if trace.on else 0
         try:
             if task.state in ("done", "failed"):
@@ -137,6 +140,8 @@ class Tasks:
             task.output.buf.end_cpu_access(memory.SYNC_READ)
             try:
                 self.client.check(resp, f"RPC 0x{task.cmd:x}")
+                if resp.return_value != 0:  # the op ran and failed: hbUCPWaitTaskDone's -EREMOTEIO
+                    raise OpFailed(task.cmd, self._op_name(task.cmd), resp.return_value, resp.core, task)
             except DspxError as e:
                 task.state, task.error = "failed", e
                 raise
@@ -146,6 +151,13 @@ class Tasks:
             if t0:
                 trace.complete("wait task", t0, "host", top=True)
 
+    def _op_name(self, cmd: int) -> str:
+        """The name the device registered ``cmd`` under (asked only when an op fails)."""
+        try:
+            return next((o["name"] for o in self.ops() if o["cmd"] == cmd), "no longer registered")
+        except DspxError:
+            return "name unknown"
+
     def release(self, task: Task) -> None:
         if task.state == "submitted":
             raise DspxError("task is still in flight: wait for it before releasing")
@@ -153,10 +165,14 @@ class Tasks:
 
     def run(self, cmd: int, input_mem: Mem, output_mem: Mem, core: int = ANY, priority: int = 0,
             timeout_ms: int = 30_000) -> Task:
-        """rpc + submit + wait + release."""
+        """rpc + submit + wait + release; raises as ``wait`` does (the task is
+        released all the same)."""
         t = self.submit(self.rpc(cmd, input_mem, output_mem), core, priority)
-        self.wait(t, timeout_ms)
-        self.release(t)
+        try:
+            self.wait(t, timeout_ms)
+        finally:
+            if t.state != "submitted":  # still in flight after a timeout: it cannot be released yet
+                self.release(t)
         return t
 
     def last_cost(self) -> dict:

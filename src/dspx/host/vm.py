@@ -6,6 +6,7 @@
     y = vm["main"](x=x)                        # inputs by name (metadata.json)
     vm.set_input("main", x); vm.invoke_stateful("main"); y = vm.get_outputs("main")
     print(vm.time_evaluator("main", number=10, repeat=3)(x))   # device-side repeat, TVM's figures
+    vm.save_function("main", "on_x", x); vm.time_evaluator("on_x")()   # TVM's closures
     x_dev = vm.create_input((1, 3, 224, 224), "float32")   # lives in input_buf
     views = vm.run_nocopy(x_dev)               # views of output_buf, valid until the next call
 
@@ -31,7 +32,11 @@ from .. import trace
 from ..errors import ClosedError, DspxError
 from . import inputs as _inputs
 from .client import Client
+from ..abi.protocol import REPEAT_MASK
 from .profile import ProfileReport, parse as parse_profile
+
+# TVM's VMInstrumentReturnKind.SKIP_RUN: an instrument's "skip this call"
+SKIP_RUN = 1
 
 # The device's clock for INFER cycles: 1 GHz nominal, one cycle per nanosecond
 # of the entry call (device/core/inference.py).
@@ -88,6 +93,13 @@ class BenchmarkResult:
         return head + " ".join(f"{c:>12}" for c in cols) + "\n" + " ".join(f"{v * 1e3:12.4f}" for v in vals)
 
 
+@dataclass(frozen=True)
+class TensorShape:
+    """A tensor argument as an instrument sees it: its shape (the device's
+    profile records shapes, not the data)."""
+    shape: tuple
+
+
 @dataclass
 class _Entry:
     module: object  # client.LoadedModule
@@ -108,6 +120,8 @@ class VirtualMachine:
         self.last_printf = ""
         self._entries: dict[str, _Entry] = {}
         self._set: dict[str, tuple] = {}
+        self._saved: dict[str, tuple] = {}  # save_function: saved name -> (entry, arrays, include_return)
+        self._instrument = None
         self._outputs: dict[str, object] = {}
         try:
             subs = self.metadata.get("modules")
@@ -142,18 +156,80 @@ class VirtualMachine:
         return e
 
     def __getitem__(self, name: str):
+        if name in self._saved:
+            return self._saved_call(name)
         self._entry(name)
 
         def call(*args, **named):
             t0 = trace.clock() if trace.on else 0
             try:
-                outs = [np.array(v, copy=True) for v in self._run(args, named, fn=name)]
+                if self._instrument is not None:
+                    rep, views = self.run_profiled(args, named, name)
+                    outs = [np.array(v, copy=True) for v in views]
+                    self._replay_instrument(rep)
+                else:
+                    outs = [np.array(v, copy=True) for v in self._run(args, named, fn=name)]
             finally:
                 if t0:
                     trace.complete(f"vm[{name!r}] (infer + copy-out)", t0, "host", top=True)
             return outs[0] if len(outs) == 1 else outs
         call.__name__ = name
         return call
+
+    # ------------------------------------------------------------------ TVM's introspection and closures
+    def get_function_arity(self, func_name: str) -> int:
+        """The number of inputs ``func_name`` takes (metadata.json), as TVM's VM reports it."""
+        return len(self._entry(func_name).inputs)
+
+    def get_function_param_name(self, func_name: str, index: int) -> str:
+        """The name of input ``index`` of ``func_name``."""
+        specs = self._entry(func_name).inputs
+        if not 0 <= index < len(specs):  # TVM's ValueError, in its words
+            raise ValueError(f"Invalid index for {func_name} ({index} out of {len(specs)})")
+        return specs[index].name
+
+    def save_function(self, func_name: str, saved_name: str, *args, include_return: bool = True, **kwargs) -> None:
+        """TVM's ``save_function``: ``vm[saved_name]()`` calls ``func_name`` on
+        these inputs (checked and copied now), and ``time_evaluator(saved_name)``
+        times it.  A saved name may be saved again, never a module's entry."""
+        if saved_name in self._entries:
+            raise DspxError(f"save_function: {saved_name!r} is a function of the module; pick another name")
+        e = self._entry(func_name)
+        arrays = [np.array(a, copy=True) for a in _inputs.bind(e.inputs, args, kwargs, func_name)]
+        self._saved[saved_name] = (func_name, arrays, include_return)
+
+    def _saved_call(self, saved_name: str):
+        func_name, arrays, include_return = self._saved[saved_name]
+
+        def call():
+            outs = self[func_name](*arrays)
+            return outs if include_return else None
+        call.__name__ = saved_name
+        return call
+
+    def set_instrument(self, instrument) -> None:
+        """TVM's ``set_instrument``: ``instrument(func, func_symbol, before_run,
+        ret_value, *args)`` for every call the entry makes.  The calls run on
+        the device, so a ``vm[name](...)`` call (and ``invoke_stateful``, a
+        saved function) with an instrument set is profiled (the PROFILE flag)
+        and the instrument is called afterwards for each call site, once
+        before and once after, in the order of their first calls: ``func`` is its ``ProfileRow`` (name,
+        kind, calls, cycles), ``ret_value`` None, ``args`` one ``TensorShape``
+        per tensor argument (``.shape``; outputs last).  It cannot skip a call
+        (the device already ran it): returning ``VMInstrumentReturnKind.SKIP_RUN``
+        (1) raises.  ``None`` removes the instrument."""
+        if instrument is not None and not callable(instrument):
+            raise TypeError(f"set_instrument takes a function or None, not {type(instrument).__name__}")
+        self._instrument = instrument
+
+    def _replay_instrument(self, rep: ProfileReport) -> None:
+        for row in rep.rows:
+            args = [TensorShape(tuple(int(d) for d in s.split("x") if d)) for s in row.shapes.split(",") if s]
+            for before in (True, False):
+                kind = self._instrument(row, row.name, before, None, *args)
+                if before and kind == SKIP_RUN:
+                    raise DspxError(f"the instrument asked to skip {row.name}, but the call already ran on the "
+                                    f"device (instruments see the device's calls after the fact)")
 
     def input_specs(self, name: str | None = None) -> list:
         return self._entry(name or self.entry).inputs
@@ -198,27 +274,48 @@ class VirtualMachine:
 
     def time_evaluator(self, func_name: str, dev=None, number: int = 10, repeat: int = 1, min_repeat_ms: int = 0,
                        **_ignored):
-        """A function that times ``func_name`` like TVM's ``time_evaluator``:
-        ``number * repeat`` runs in one INFER (the device repeats the entry,
-        the protocol's repeat field), ``results`` the mean of each ``number``.
+        """A function that times ``func_name`` as TVM's ``time_evaluator`` does:
+        the entry runs ``1 + number * repeat`` times in one INFER (the device
+        repeats it: the protocol's repeat field) and the first run, the
+        warm-up, is discarded; ``results`` holds ``repeat`` figures, each the
+        mean of ``number`` runs.  ``min_repeat_ms``: a repeat shorter than
+        that is run again with ``number`` raised (TVM's rule: to
+        ``max(min_repeat_ms / per-run ms + 1, number * 1.618)``) until it
+        lasts that long or ``number`` reaches the repeat field's limit.
         ``func_name="invoke_stateful"`` times the entry named by its argument
-        with the inputs given to ``set_input``."""
-        from ..abi.protocol import REPEAT_MASK
-
-        if number < 1 or repeat < 1 or number * repeat > REPEAT_MASK:
-            raise ValueError(f"number * repeat must be 1..{REPEAT_MASK} (got {number} * {repeat})")
+        with the inputs given to ``set_input``; a ``save_function`` name times
+        its saved call."""
+        if number < 1 or repeat < 1 or 1 + number * repeat > REPEAT_MASK:
+            raise ValueError(f"1 + number * repeat must be 2..{REPEAT_MASK} (got 1 + {number} * {repeat})")
 
         def evaluate(*args, **named) -> BenchmarkResult:
             fn = func_name
             if fn == "invoke_stateful":
-                fn = args[0]
+                fn = args[0] if args else None
                 if fn not in self._set:
                     raise DspxError(f"set_input({fn!r}, ...) before timing invoke_stateful({fn!r})")
                 args, named = self._set[fn], {}
-            runs = self._timed_runs(args, named, fn, number * repeat)
-            return BenchmarkResult([statistics.fmean(runs[i * number:(i + 1) * number]) * CYCLE_S
-                                    for i in range(repeat)])
+            elif fn in self._saved:
+                fn, args, named = self._saved[fn][0], self._saved[fn][1], {}
+            runs = self._timed_runs(args, named, fn, 1 + number * repeat)[1:]  # the warm-up run is dropped
+            per_repeat = [runs[i * number:(i + 1) * number] for i in range(repeat)]
+            return BenchmarkResult([statistics.fmean(r) * CYCLE_S
+                                    for r in self._lengthen(per_repeat, min_repeat_ms, args, named, fn)])
         return evaluate
+
+    def _lengthen(self, per_repeat: list, min_repeat_ms: float, args, named, fn) -> list:
+        """Each repeat's runs, a repeat shorter than ``min_repeat_ms`` run again
+        with more runs (TVM's rule), the larger count kept for the next ones."""
+        if min_repeat_ms <= 0:
+            return per_repeat
+        out, number = [], len(per_repeat[0])
+        for runs in per_repeat:
+            while sum(runs) * CYCLE_S * 1e3 < min_repeat_ms and number < REPEAT_MASK:
+                ms_per_run = max(sum(runs), 1) * CYCLE_S * 1e3 / len(runs)
+                number = min(REPEAT_MASK, int(max(min_repeat_ms / ms_per_run + 1, number * 1.618)))
+                runs = self._timed_runs(args, named, fn, number)
+            out.append(runs)
+        return out
 
     def _timed_runs(self, args, named, fn, n: int) -> list[int]:
         """Per-run device cycles of ``n`` runs in one INFER."""
@@ -239,11 +336,15 @@ class VirtualMachine:
         (docs/protocol.md, "Profile records"): the core runs the entry on an
         instrumented copy of the module's VM and writes one row per call site
         to the printf ring, which ``dspx.host.profile`` reads into the report."""
+        rep, _ = self.run_profiled(inputs, named, fn or self.entry, runs)
+        return rep
+
+    def run_profiled(self, args, named, fn: str, runs: int = 1) -> tuple[ProfileReport, list]:
+        """(the profile report, the outputs as views of output_buf) of one INFER with the PROFILE flag."""
         if not 1 <= runs <= 0xFFFF:
             raise ValueError(f"runs must be 1..65535, got {runs}")
-        fn = fn or self.entry
         e = self._entry(fn)
-        arrays = _inputs.bind(e.inputs, inputs, named, fn)
+        arrays = _inputs.bind(e.inputs, args, named, fn)
         res = self.client.infer(e.module.handle, arrays, model_id=self.model_id, repeat=runs if runs > 1 else 0,
                                 profile=True)
         rep = parse_profile(res.printf)
@@ -252,7 +353,8 @@ class VirtualMachine:
         if rep.printf:
             sys.stderr.write(rep.printf)
         self.last_cycles = res.cycles
-        return rep
+        self.last_printf = rep.printf
+        return rep, [self.client.output_view(d) for d in res.descs]
 
     def create_input(self, shape, dtype="float32") -> np.ndarray:
         self._entry(self.entry)
@@ -302,4 +404,4 @@ def load_input(path: str, shape=None, dtype=None) -> np.ndarray:
     return np.fromfile(path, dtype=dtype).reshape(shape)
 
 
-__all__ = ["VirtualMachine", "BenchmarkResult", "find_module", "load_input"]
+__all__ = ["VirtualMachine", "BenchmarkResult", "TensorShape", "find_module", "load_input"]

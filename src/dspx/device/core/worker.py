@@ -359,6 +359,7 @@ class CoreWorker:
             if outcome.cost is not None:  # a cost model is on: the front holds it before the client can ask
                 self._send_cost(rec, spec.cid, outcome.cost)
         except BaseException as e:  # KeyboardInterrupt, SystemExit …: a status for this caller, not the core's end
+            e = _named_extra(e, "running a compiled module on the device", Status.ERR_CALL)
             status = _status_of(e)
             if isinstance(e, SystemExit):
                 status, e = Status.ERR_CALL, RuntimeError(f"call raised SystemExit({e.code!r}); the core keeps running")
@@ -500,6 +501,11 @@ class CoreWorker:
                     self._running_job = None
             except BaseException as e:  # every failure becomes a status, the core keeps serving
                 # (SystemExit and KeyboardInterrupt too: an op library's code may raise them)
+                if isinstance(rec, (jobs.LoadModule, jobs.LoadWeights)):
+                    e = _named_extra(e, "loading a compiled module on the device", Status.ERR_LOAD)
+                else:
+                    e = _named_extra(e, f"{type(rec).__name__} on the device",
+                                     Status.ERR_LOAD if isinstance(rec, jobs.LoadOps) else Status.ERR_CALL)
                 status = _status_of(e)
                 if isinstance(e, SystemExit):  # user code tried to end the core
                     status = Status.ERR_LOAD if isinstance(rec, (jobs.LoadModule, jobs.LoadOps)) else Status.ERR_CALL
@@ -544,6 +550,19 @@ class CoreWorker:
 
 
 _STATUSES = frozenset(int(s) for s in Status)
+
+
+def _named_extra(e: BaseException, what: str, status: int) -> BaseException:
+    """An optional dependency this core lacks (tvm, onnxruntime …) as one line
+    naming the extra to install, with ``status``, instead of a traceback;
+    any other exception as it is."""
+    from ...errors import missing_extra
+
+    extra = missing_extra(e, what) if isinstance(e, ImportError) else None
+    if extra is None:
+        return e
+    extra.status = status
+    return extra
 
 
 def _status_of(e: BaseException) -> int:
