@@ -54,6 +54,25 @@ class InferResult:
     return_value: int = 0
 
 
+def _output_descs(r, ob: DmaBuf) -> list:
+    """The output descriptors of a successful INFER reply: inline, or the
+    table it names in output_buf — only one wholly inside output_buf with
+    room for num_outputs of them (a forged address would read elsewhere)."""
+    n = r.num_outputs
+    if not r.descs_size:
+        if len(r.descs) < n:
+            raise BadReply(f"{r.NAME} holds {len(r.descs)} descriptors for {n} outputs", num_outputs=n,
+                           inline=len(r.descs))
+        return r.descs
+    need = n * P.TensorDesc.SIZE
+    if r.descs_size < need or not ob.contains(r.descs_addr, r.descs_size):
+        raise BadReply(f"{r.NAME}: output descriptor table 0x{r.descs_addr:x}+{r.descs_size} ({n} outputs need "
+                       f"{need} bytes) is not inside output_buf 0x{ob.dsp_addr:x}+{ob.size}",
+                       descs_addr=r.descs_addr, descs_size=r.descs_size, num_outputs=n,
+                       output_addr=ob.dsp_addr, output_size=ob.size)
+    return P.decode_descs(ob.mm, n, r.descs_addr - ob.dsp_addr)
+
+
 def _clock_hz(profile: str) -> float:
     """The modeled clock of cost profile ``profile`` (its ``clock_hz``); 1 GHz
     when the host cannot load it (then a modeled cycle is drawn as 1 ns)."""
@@ -490,7 +509,7 @@ class Client:
             ob = self.output_buf
             ob.begin_cpu_access(memory.SYNC_READ)
             try:
-                out_descs = self._output_descs(r, ob)
+                out_descs = _output_descs(r, ob)
             finally:
                 ob.end_cpu_access(memory.SYNC_READ)
             self.session.io.completed(r)
@@ -501,25 +520,6 @@ class Client:
                 trace.complete("infer", t0, "host", {"module": handle, "kv_resident": bool(kv_resident),
                                                       "input_bytes": sum(getattr(x, "nbytes", 0) for x in inputs)},
                                top=True)
-
-    @staticmethod
-    def _output_descs(r, ob: DmaBuf) -> list:
-        """The output descriptors of a successful INFER reply: inline, or the
-        table it names in output_buf — only one wholly inside output_buf with
-        room for num_outputs of them (a forged address would read elsewhere)."""
-        n = r.num_outputs
-        if not r.descs_size:
-            if len(r.descs) < n:
-                raise BadReply(f"{r.NAME} holds {len(r.descs)} descriptors for {n} outputs", num_outputs=n,
-                               inline=len(r.descs))
-            return r.descs
-        need = n * P.TensorDesc.SIZE
-        if r.descs_size < need or not ob.contains(r.descs_addr, r.descs_size):
-            raise BadReply(f"{r.NAME}: output descriptor table 0x{r.descs_addr:x}+{r.descs_size} ({n} outputs need "
-                           f"{need} bytes) is not inside output_buf 0x{ob.dsp_addr:x}+{ob.size}",
-                           descs_addr=r.descs_addr, descs_size=r.descs_size, num_outputs=n,
-                           output_addr=ob.dsp_addr, output_size=ob.size)
-        return P.decode_descs(ob.mm, n, r.descs_addr - ob.dsp_addr)
 
     def _layout(self, handle, inputs, model_id, repeat, kv_resident, kv_inputs, profile) -> tuple:
         """(copies as (input_buf view, input index), descriptor table, encoded
