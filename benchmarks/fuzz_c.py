@@ -15,8 +15,10 @@ Prints a table and writes benchmarks/results/fuzz_c.json: inputs, seconds,
 sanitizer reports, unexpected return codes, and the distinct decoder
 outcomes (return code, error text without its numbers, outputs handed back)
 — gcc builds the harness, which has no coverage instrumentation for
-libFuzzer, so the outcome count stands for coverage.  Exit status 1 on any
-report or unexpected code."""
+libFuzzer, so the outcome count stands for coverage; ``--coverage`` (one
+worker) also builds it with gcc's --coverage and reports gcov's lines
+executed of each of the decoder's functions.  Exit status 1 on any report or
+unexpected code."""
 from __future__ import annotations
 
 import argparse
@@ -43,13 +45,17 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--out", default="fuzz_c.json", help="file name under benchmarks/results/")
+    ap.add_argument("--coverage", action="store_true",
+                    help="build with --coverage and report gcov's line coverage of the decoder's functions (1 worker)")
     a = ap.parse_args()
+    if a.coverage and a.workers != 1:
+        ap.error("--coverage counts one worker's run: use --workers 1")
     t0 = time.monotonic()
     share = [a.inputs // a.workers + (i < a.inputs % a.workers) for i in range(a.workers)]
     with tempfile.TemporaryDirectory(prefix="fuzz_c-", dir=os.environ.get("FUZZ_C_TMP")) as tmp:
         with ThreadPoolExecutor(a.workers) as pool:
-            runs = list(pool.map(lambda i: c_fuzz.run(share[i], a.seed + i, Path(tmp) / str(i), nice=10),
-                                 range(a.workers)))
+            runs = list(pool.map(lambda i: c_fuzz.run(share[i], a.seed + i, Path(tmp) / str(i), nice=10,
+                                                      coverage=a.coverage), range(a.workers)))
     outcomes: collections.Counter = collections.Counter()
     for r in runs:
         outcomes.update(r["outcomes"])
@@ -58,12 +64,15 @@ def main() -> int:
            "sanitizer_reports": [x for r in runs for x in r["reports"]],
            "unexpected": [x for r in runs for x in r["unexpected"]],
            "exit_codes": [r["returncode"] for r in runs],
-           "distinct_outcomes": len(outcomes), "outcomes": dict(outcomes.most_common())}
+           "distinct_outcomes": len(outcomes), "outcomes": dict(outcomes.most_common()),
+           **({"line_coverage": runs[0]["line_coverage"]} if a.coverage else {})}
     print(f"{'inputs':<22}{res['inputs']:>14,}")
     print(f"{'seconds':<22}{res['seconds']:>14}")
     print(f"{'sanitizer reports':<22}{len(res['sanitizer_reports']):>14}")
     print(f"{'unexpected codes':<22}{len(res['unexpected']):>14}")
     print(f"{'distinct outcomes':<22}{res['distinct_outcomes']:>14}")
+    for name, c in res.get("line_coverage", {}).items():
+        print(f"{'lines of ' + name:<34}{c['percent']:>6.1f} % of {c['lines']}")
     print()
     print(f"{'count':>12}  outcome (rc, outputs handed back, error)")
     for k, v in outcomes.most_common():

@@ -12,8 +12,10 @@ crash of pytest or a failure of some other test does not count.  The
 planted builds (the C shim, libdspx) go to a cache inside the scratch copy,
 seeded from $DSPX_CACHE, never to a shared one.
 
-Issue 18's eight bugs, issue 29's three C and three Python bugs, and three
-more C bugs at bounds of the C code.  Not part of `make test` (it runs device
+Issue 18's eight bugs, issue 29's three C and three Python bugs, three
+more C bugs at bounds of the C code, and issue 29's last three fixes undone
+(the C++ shape product, a reply's descriptor table, a closed connection's
+op libraries).  Not part of `make test` (it runs device
 tests over and over); the last result is in docs/testing.md, "Planted bugs"."""
 import os
 import shutil
@@ -106,6 +108,22 @@ BUGS = [
   "    if (off > c->input_buf.size - (size_t)nbytes)",
   [BOUNDS + "test_create_input_at_exactly_the_capacity_and_one_byte_over",
    "tests/sdk/test_c_api.py::test_capacity_efbig_err_size_and_lock"]),
+ # ---- issue 29's last fixes: the C++ shape product, a reply's table, op libraries of a closed connection
+ ("c7x_runtime.cc: Run's input byte count is the unchecked product of the shape", "src/dspx/sdk/host/c7x_runtime.cc",
+  "    int64_t nbytes = dspx_shape_bytes(t->ndim, t->shape, t->dtype.bits);\n",
+  "    uint64_t n = 1;  // planted: no guard, the product wraps\n"
+  "    for (int k = 0; k < t->ndim; k++) n *= static_cast<uint64_t>(t->shape[k]);\n"
+  "    int64_t nbytes = static_cast<int64_t>(n * t->dtype.bits / 8);\n",
+  ["tests/sdk/test_c_client_edges.py::test_cxx_module_run_shape_bytes_at_the_fit_one_past_and_huge"]),
+ ("client.py: an INFER reply's descriptor table read wherever descs_addr points", "src/dspx/host/client.py",
+  "    if r.descs_size < need or not ob.contains(r.descs_addr, r.descs_size):",
+  "    if r.descs_size < need:",
+  ["tests/host/test_client.py::test_a_forged_output_table_is_a_bad_reply_naming_the_numbers"]),
+ ("connections.py: a closing connection's own op libraries are kept (nobody may unload them)",
+  "src/dspx/device/front/connections.py",
+  "        for handle in list(conn.oplibs):\n            actions += h.unload_ops(self.st.modules[handle])\n",
+  "",
+  ["tests/device/front/test_service.py::test_an_op_library_goes_with_its_connection_and_a_device_wide_one_stays"]),
 ]
 
 #: cache areas the scratch copy starts from (the big data sets are left out)

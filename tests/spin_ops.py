@@ -50,5 +50,5 @@ def device(*args: str):
 
     d = Device(*args)
     with Tasks(socket=d.path) as u:
-        u.load_ops(SOURCE)
+        u.load_ops(SOURCE, device_wide=True)  # for the whole device, after this session
     return d

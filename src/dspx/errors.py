@@ -41,6 +41,18 @@ class CapacityError(DspxError, OSError):
         self.requested, self.capacity = requested, capacity
 
 
+class BadReply(DspxError, OSError):
+    """A device reply that breaks the protocol (EPROTO), caught before any of
+    it is used; the attributes are the numbers it named (docs/protocol.md)."""
+
+    def __init__(self, message: str, **numbers):
+        OSError.__init__(self, errno.EPROTO, f"{message} (EPROTO)")
+        self.status_name = "EPROTO"
+        self.numbers = numbers
+        for k, v in numbers.items():
+            setattr(self, k, v)
+
+
 class CapacityLocked(DspxError):
     """reserve_io() after capacity was locked by first successful use."""
 

@@ -501,6 +501,7 @@ class Fuzzer:
             return Status.ERR_INVALID, "reserved field"
         if name == "flags":
             allowed = {T.DYN_LOAD: P.DYN_LOAD_OP_LIBRARY, T.BUF_ATTACH: P.ATTACH_STAGING,
+                       T.OPS_LOAD: P.OPS_LOAD_DEVICE_WIDE,
                        T.INFER: ~P.INFER_FLAGS_RESERVED, T.INFER_LARGE: ~P.INFER_FLAGS_RESERVED}.get(t, 0)
             return (Status.ERR_INVALID, "unknown flag bits") if new & ~allowed else None
         if "addr" in name and t != T.DYN_UNLOAD and self._forged(new):
@@ -797,7 +798,7 @@ class Fuzzer:
             r = P.decode(resp)
             h = r.lib_handle if rtype == T.OPS_LOAD else r.module_handle
             if rtype == T.OPS_LOAD or struct.unpack_from("<I", data, 20)[0] & P.DYN_LOAD_OP_LIBRARY:
-                self._unload_oplib(h)  # device-wide: never leave one behind
+                self._unload_oplib(h)  # maybe device-wide: never leave one behind
             else:
                 c.request(P.DynUnload(module_handle=h))
         elif rtype == T.MODEL_LOAD:

@@ -1,5 +1,6 @@
 """The host client: embedded default device, explicit sockets, version
 check, timeouts and a device that dies."""
+import errno
 import json
 import os
 import socket
@@ -117,6 +118,59 @@ def test_device_that_dies_mid_call_raises_device_lost(tmp_path):
     path = fake_device(tmp_path, lambda req: "die")
     with pytest.raises(DeviceLost):
         dspx.Client(path, timeout=5)
+
+
+# A device that answers INFER with a forged output descriptor table: its
+# replies are hand-written bytes (docs/protocol.md's layouts), the buffers it
+# "attaches" sit at addresses it picks.
+IN_ADDR, OUT_ADDR, OUT_SIZE = 0x10000000, 0x20000000, 8192
+
+
+def hostile_device(tmp_path, num_outputs: int, descs_addr: int, descs_size: int) -> str:
+    def answer(req):
+        t, seq, _, _ = struct.unpack_from("<IIIi", req)
+        if t == 0x0001:  # PING_RESP: version 3.0.0
+            return struct.pack("<IIIiII", 0x1001, seq, 24, 0, 0x030000, 1)
+        if t == 0x0040:  # BUF_ATTACH_RESP: input_buf first, then output_buf
+            (size,) = struct.unpack_from("<Q", req, 16)
+            return struct.pack("<IIIiQQ", 0x1040, seq, 32, 0, OUT_ADDR if size == OUT_SIZE else IN_ADDR, size)
+        if t == 0x0021:  # INFER_RESP, success, no inline descriptors
+            return struct.pack("<IIIi" "iQIIQIIIIQ", 0x1021, seq, 68, 0,
+                               0, 1000, num_outputs, 0, descs_addr, descs_size, 0, 0, 0, 0)
+        return struct.pack("<IIIi", 0x1000 | t, seq, 16, 0)  # BUF_DETACH and the rest: done
+    return fake_device(tmp_path, answer)
+
+
+def _infer_against(path):
+    with dspx.Client(path, staging_size=0, printf_size=0, timeout=10) as c:
+        c.reserve_io(4096, OUT_SIZE)
+        assert (c.output_buf.dsp_addr, c.output_buf.size) == (OUT_ADDR, OUT_SIZE)
+        return c.infer(7, [np.zeros(4, np.float32)])
+
+
+def test_an_output_table_that_ends_on_output_bufs_last_byte_is_read(tmp_path):
+    r = _infer_against(hostile_device(tmp_path, 6, OUT_ADDR + OUT_SIZE - 480, 480))
+    assert r.cycles == 1000 and len(r.descs) == 6  # the zeros of a fresh output_buf
+
+
+@pytest.mark.parametrize("num_outputs, descs_addr, descs_size", [
+    (6, OUT_ADDR + OUT_SIZE - 479, 480),  # one byte past output_buf's end
+    (6, OUT_ADDR - 80, 480),  # starts before output_buf (a negative offset)
+    (6, (1 << 64) - 80, 480),  # at the top of the address space
+    (6, OUT_ADDR, 400),  # inside, but too small for 6 descriptors
+    (3, 0, 0),  # inline, but the reply holds none of its 3
+])
+def test_a_forged_output_table_is_a_bad_reply_naming_the_numbers(tmp_path, num_outputs, descs_addr, descs_size):
+    from dspx.errors import BadReply
+    with pytest.raises(BadReply) as e:
+        _infer_against(hostile_device(tmp_path, num_outputs, descs_addr, descs_size))
+    assert e.value.errno == errno.EPROTO and e.value.num_outputs == num_outputs, e.value
+    if descs_size:
+        assert (e.value.descs_addr, e.value.descs_size, e.value.output_addr, e.value.output_size) == \
+            (descs_addr, descs_size, OUT_ADDR, OUT_SIZE)
+        assert f"0x{descs_addr:x}+{descs_size}" in str(e.value) and "output_buf 0x20000000+8192" in str(e.value)
+    else:
+        assert "holds 0 descriptors for 3 outputs" in str(e.value)
 
 
 def test_killed_device_gives_device_lost_not_a_hang(device, client_of):

@@ -100,7 +100,7 @@ def _device(cost_model: str | None, *args) -> Device:
 def cost_dev():
     d = _device("j6-vision", "--cores", "2")
     with Tasks(socket=d.path) as u:
-        u.load_ops(FAKE_COST_OPS)
+        u.load_ops(FAKE_COST_OPS, device_wide=True)  # the tests use it from sessions of their own
     yield d
     d.stop()
 
@@ -109,7 +109,7 @@ def cost_dev():
 def plain_dev():
     d = _device(None)
     with Tasks(socket=d.path) as u:
-        u.load_ops(FAKE_COST_OPS)
+        u.load_ops(FAKE_COST_OPS, device_wide=True)  # the tests use it from sessions of their own
     yield d
     d.stop()
 

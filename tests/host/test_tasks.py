@@ -69,7 +69,7 @@ def ucp(dev2):
 @pytest.fixture(scope="module")
 def test_lib(dev2):
     with Tasks(socket=dev2.path) as u:
-        handle, n = u.load_ops(TEST_OPS)
+        handle, n = u.load_ops(TEST_OPS, device_wide=True)  # the tests use it from sessions of their own
     assert n == 4
     yield handle
 

@@ -74,13 +74,29 @@ def child(so: str, runs: int, seed: int, out: str) -> None:
     atheris.Fuzz()
 
 
-def run(runs: int, seed: int, workdir: Path, python: str = sys.executable, nice: int = 0) -> dict:
-    """Build the harness, fuzz ``runs`` inputs in a child process, return its figures."""
+#: the decoder's functions (dspx_conn.c, c7x_client.c, dspx_shape.h) whose line coverage a --coverage run reports
+DECODER = ("dspx_check_frame", "dspx_check_size", "dspx_check", "dspx_printf_collect", "decode_outputs", "from_wire",
+           "dspx_shape_bytes")
+
+
+def line_coverage(workdir: Path) -> dict[str, dict]:
+    """gcov's lines executed of each DECODER function after a --coverage run in ``workdir``."""
+    p = subprocess.run(["gcov", "-f", "-n", "fuzz_decoder.so-fuzz_decoder.gcno"], cwd=workdir, capture_output=True,
+                       text=True, timeout=120)
+    found = re.findall(r"^Function '(\w+)'\nLines executed:([\d.]+)% of (\d+)", p.stdout, re.M)
+    return {name: {"percent": float(pct), "lines": int(n)} for name, pct, n in found if name in DECODER}
+
+
+def run(runs: int, seed: int, workdir: Path, python: str = sys.executable, nice: int = 0,
+        coverage: bool = False) -> dict:
+    """Build the harness, fuzz ``runs`` inputs in a child process, return its figures
+    (``coverage``: built with --coverage, and gcov's line coverage of the decoder)."""
     sys.path.insert(0, str(HERE))
     import sanitized
 
     Path(workdir).mkdir(parents=True, exist_ok=True)
-    so = sanitized.build(HERE / "fuzz_decoder.c", Path(workdir) / "fuzz_decoder.so", shared=True)
+    so = sanitized.build(HERE / "fuzz_decoder.c", Path(workdir) / "fuzz_decoder.so", shared=True,
+                         extra=("--coverage",) if coverage else ())
     out = Path(workdir) / f"fuzz-{seed}.json"
     out.unlink(missing_ok=True)
     env = dict(os.environ, LD_PRELOAD=sanitized.libasan(), PYTHONPATH=os.pathsep.join(sys.path),
@@ -94,4 +110,6 @@ def run(runs: int, seed: int, workdir: Path, python: str = sys.executable, nice:
     res["reports"] = sanitized.reports(p.stderr)
     res["libfuzzer"] = {k: int(v) for k, v in re.findall(r"^stat::(\w+):\s*(\d+)", p.stderr, re.M)}
     res["stderr_tail"] = p.stderr[-3000:]
+    if coverage:
+        res["line_coverage"] = line_coverage(Path(workdir))
     return res

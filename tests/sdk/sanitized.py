@@ -19,11 +19,12 @@ ENV = {"ASAN_OPTIONS": "abort_on_error=0:exitcode=97:detect_leaks=1",
 REPORTS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:")
 
 
-def build(src: Path, out: Path, shared: bool = False) -> Path:
-    """Compile ``src`` (which #includes dspx_conn.c and c7x_client.c) sanitized into ``out``."""
+def build(src: Path, out: Path, shared: bool = False, extra=()) -> Path:
+    """Compile ``src`` (which #includes dspx_conn.c and c7x_client.c) sanitized into ``out``
+    (``extra``: more compiler flags, e.g. --coverage)."""
     inc = out.parent / "wire"
     gen_wire.write(inc / "dspx_wire.h")
-    cmd = [os.environ.get("CC", "cc"), "-std=c11", *SAN, "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE", "-pthread",
+    cmd = [os.environ.get("CC", "cc"), "-std=c11", *SAN, *extra, "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE", "-pthread",
            f"-I{inc}", f"-I{libdspx.INCLUDE}", f"-I{libdspx.HOST}", str(src), "-o", str(out)]
     if shared:
         cmd[1:1] = ["-shared", "-fPIC"]

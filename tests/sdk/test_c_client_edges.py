@@ -118,3 +118,84 @@ def test_create_input_of_a_shape_whose_bits_overflow_is_refused(bounds, shared_d
 ])
 def test_infer_inputs_at_capacity_and_a_size_that_wraps(bounds, shared_device, size, rc):
     assert tensors(bounds, shared_device, f"infer:{size}") == [(rc, -1, 0)]
+
+
+# ---------------------------------------------------------------- c7x::Module::Run (c7x_runtime.cc)
+RUN_SHAPES = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "c7x_runtime.h"
+
+/* run_shapes SO RESERVE BITS:D0,D1,...: load SO, reserve_io(RESERVE, 64 KiB),
+ * then one Run per argument with a single uint8 (8 bits) or float input of
+ * that shape, its data outside input_buf (copied); prints each one's
+ * "code status status_name".  The data is never read past what fits. */
+int main(int argc, char** argv) {
+  static uint8_t elsewhere[1 << 16];
+  c7x::Module m;
+  m.Load(argv[1]);
+  m.ReserveIO(std::strtoull(argv[2], nullptr, 0), 1 << 16);
+  for (int i = 3; i < argc; i++) {
+    int bits = std::atoi(argv[i]);
+    std::vector<int64_t> shape;
+    for (char* p = std::strchr(argv[i], ':'); p && *p; p = std::strchr(p + 1, ','))
+      shape.push_back(std::strtoll(p + 1, nullptr, 0));
+    DLTensor t{elsewhere, {kDLCPU, 0}, static_cast<int32_t>(shape.size()),
+               {static_cast<uint8_t>(bits == 8 ? kDLUInt : kDLFloat), static_cast<uint8_t>(bits), 1}, shape.data(),
+               nullptr, 0};
+    try {
+      m.Run({t});
+      std::printf("r%d 0 0 ok\n", i - 3);
+    } catch (const c7x::Error& e) {
+      std::printf("r%d %d %d %s\n", i - 3, e.code(), e.status(), e.status_name().c_str());
+      std::fprintf(stderr, "r%d %s\n", i - 3, e.what());
+    }
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def run_shapes(tmp_path_factory, compiled) -> tuple[Path, Path]:
+    """The program, and multi_output's model.so alone in a directory (no
+    metadata.json: its io_reserve would replace the test's reservation)."""
+    d = tmp_path_factory.mktemp("run_shapes")
+    (d / "run_shapes.cc").write_text(RUN_SHAPES)
+    (d / "bare").mkdir()
+    so = d / "bare" / "model.so"
+    so.write_bytes((compiled("multi_output") / "model.so").read_bytes())
+    return libdspx.compile_program([d / "run_shapes.cc"], d / "run_shapes"), so
+
+
+SENT = "sent"  # the host let it through: the device's own status came back (the shape is not the module's)
+
+
+@pytest.mark.parametrize("spec, want", [
+    # the module has 1 input: its 80-byte descriptor region rounds to 128, the copy goes after it
+    ("8:12160", SENT),  # exactly what fits: CAP - 128 bytes
+    ("8:12161", (EFBIG, "EFBIG")),  # one byte past
+    ("32:4,760", SENT),  # the same fit in float32
+    ("64:288230376151711744", (EFBIG, "EFBIG")),  # 2^58 float64: 2^61 bytes (the bit count 2^64 wraps to 0)
+    ("8:1152921504606846975", (EFBIG, "EFBIG")),  # 2^60 - 1 elements: the guard's last count
+    ("8:1152921504606846976", (EINVAL, "EINVAL")),  # 2^60 elements: one past it
+    ("32:4294967296,4294967296", (EINVAL, "EINVAL")),  # 2^64 elements: the product wraps to 0
+    ("32:3,-1,64", (EINVAL, "EINVAL")),  # a negative extent
+    ("32:0,1099511627776,1099511627776", SENT),  # no elements: 0 bytes, however big the rest
+])
+def test_cxx_module_run_shape_bytes_at_the_fit_one_past_and_huge(run_shapes, shared_device, spec, want):
+    exe, so = run_shapes
+    env = {**os.environ, "DSPX_SOCKET": shared_device.path}
+    p = subprocess.run([str(exe), str(so), str(CAP), spec], capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    code, status, name = p.stdout.split()[1:]
+    if want == SENT:
+        assert int(status) < 0, p.stdout + p.stderr
+    else:
+        assert (int(code), int(status), name) == (want[0], 0, want[1]), p.stdout + p.stderr
+        if want[0] == EINVAL:
+            assert "bad shape [" in p.stderr, p.stderr

@@ -30,13 +30,14 @@ HERE = Path(__file__).resolve().parent
 CC = shutil.which("gcc") or shutil.which("cc")
 #: the C API tests that exercise libdspx's C paths (errors of every call,
 #: outputs, staging, KV, tasks in flight, threads, a Python client beside),
-#: and all of test_c_client_edges.py (create_input at capacity); left out for
+#: and all of test_c_client_edges.py (create_input at capacity, c7x::Module::Run
+#: shapes at the fit, one past and huge); left out for
 #: time: the build / header / wire-layout checks (no C runs), the examples,
 #: the tests that compile the wide module (half a minute) or spend their
 #: time waiting on the device (bad requests' time-outs, kills)
 C_API = ("test_no_device or test_version_mismatch or test_timeouts or test_c_client_outputs_match "
          "or test_staging_is_taken or test_kv_region or test_several_tasks or test_threads_share "
-         "or test_ucp_errors or test_c_and_python_clients or test_create_input")
+         "or test_ucp_errors or test_c_and_python_clients or test_create_input or test_cxx_module_run_shape")
 #: left out of the native-op tests for time: the loader's checks (Python
 #: reading ELF files: no C of ours runs) and the 2^24-element softmax (its
 #: page-end buffers are mmaps, which ASan does not see into; the IVP

@@ -178,7 +178,7 @@ def test_stubborn_long_op_costs_a_core_restart_but_nothing_else(fdev, so):
 
 def test_device_killed_while_hosts_wait_raises_device_lost(device):
     with Tasks(socket=device.path) as u:
-        u.load_ops(spin_ops.SOURCE)
+        u.load_ops(spin_ops.SOURCE, device_wide=True)  # used after this session closes
     waiting = Tasks(socket=device.path)
     pinger = Client(device.path, staging_size=0, printf_size=0, timeout=30)
     i, o = waiting.malloc(4), waiting.malloc(8)

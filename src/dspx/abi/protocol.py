@@ -35,6 +35,10 @@ INFER_FLAGS_RESERVED = 0xFFFC0000
 # DYN_LOAD flags (extension): bit 0 = the staged bytes are an op library
 # (Python source, or a native library built with dspx build-ops) rather than a compiled module.
 DYN_LOAD_OP_LIBRARY = 1 << 0
+# OPS_LOAD flags (extension): bit 0 = a device-wide library, which outlives the
+# connection that loaded it and any connection of the device's uid unloads;
+# without it a library is its connection's and goes when that one closes.
+OPS_LOAD_DEVICE_WIDE = 1 << 0
 
 # RPC core choice
 CORE_ANY = -1

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import memory, trace
 from ..abi import layout, protocol as P
-from ..errors import (CapacityError, ClosedError, DeviceError, DeviceLost, DeviceTimeout, DspxError,
+from ..errors import (BadReply, CapacityError, ClosedError, DeviceError, DeviceLost, DeviceTimeout, DspxError,
                       VersionMismatch)
 from ..memory import DmaBuf
 from ..abi.protocol import Status
@@ -52,6 +52,25 @@ class InferResult:
     descs: list
     printf: str
     return_value: int = 0
+
+
+def _output_descs(r, ob: DmaBuf) -> list:
+    """The output descriptors of a successful INFER reply: inline, or the
+    table it names in output_buf — only one wholly inside output_buf with
+    room for num_outputs of them (a forged address would read elsewhere)."""
+    n = r.num_outputs
+    if not r.descs_size:
+        if len(r.descs) < n:
+            raise BadReply(f"{r.NAME} holds {len(r.descs)} descriptors for {n} outputs", num_outputs=n,
+                           inline=len(r.descs))
+        return r.descs
+    need = n * P.TensorDesc.SIZE
+    if r.descs_size < need or not ob.contains(r.descs_addr, r.descs_size):
+        raise BadReply(f"{r.NAME}: output descriptor table 0x{r.descs_addr:x}+{r.descs_size} ({n} outputs need "
+                       f"{need} bytes) is not inside output_buf 0x{ob.dsp_addr:x}+{ob.size}",
+                       descs_addr=r.descs_addr, descs_size=r.descs_size, num_outputs=n,
+                       output_addr=ob.dsp_addr, output_size=ob.size)
+    return P.decode_descs(ob.mm, n, r.descs_addr - ob.dsp_addr)
 
 
 def _clock_hz(profile: str) -> float:
@@ -489,11 +508,10 @@ class Client:
             r = resp if resp.status == 0 else self.check(resp, name)
             ob = self.output_buf
             ob.begin_cpu_access(memory.SYNC_READ)
-            out_descs = r.descs
-            if r.descs_size:
-                off = r.descs_addr - ob.dsp_addr
-                out_descs = P.decode_descs(ob.mm, r.num_outputs, off)
-            ob.end_cpu_access(memory.SYNC_READ)
+            try:
+                out_descs = _output_descs(r, ob)
+            finally:
+                ob.end_cpu_access(memory.SYNC_READ)
             self.session.io.completed(r)
             text = (self.read_printf() if r.printf_size else "") if profile else self.show_printf(r.printf_size)
             return InferResult(r.cycles, out_descs, text)

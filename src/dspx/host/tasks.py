@@ -181,10 +181,13 @@ class Tasks:
         return self.client.last_cost()
 
     # ------------------------------------------------------------------ op libraries
-    def load_ops(self, source: str | bytes | Path) -> tuple[int, int]:
+    def load_ops(self, source: str | bytes | Path, device_wide: bool = False) -> tuple[int, int]:
         """Send an op library to the device: (library handle, number of ops).
         ``source``: Python source, a native library's bytes, or the path of
-        either (a .py file or a .so built with ``dspx build-ops``)."""
+        either (a .py file or a .so built with ``dspx build-ops``).  The
+        library is this session's: it is unloaded when the session closes.
+        ``device_wide``: it stays after that, until any session (of the same
+        user) unloads it with ``unload_ops`` or the device stops."""
         if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source
                                         and source.endswith((".py", ".so"))):
             source = Path(source).read_bytes()
@@ -194,12 +197,14 @@ class Tasks:
             buf.mm[:len(data)] = data
             buf.begin_cpu_access(memory.SYNC_WRITE)
             buf.end_cpu_access(memory.SYNC_WRITE)
-            r = self.client.request(P.OpsLoad(src_dsp_addr=buf.dsp_addr, src_size=len(data)))
+            r = self.client.request(P.OpsLoad(src_dsp_addr=buf.dsp_addr, src_size=len(data),
+                                              flags=P.OPS_LOAD_DEVICE_WIDE if device_wide else 0))
         finally:
             self.client.detach(buf)
         return r.lib_handle, r.num_ops
 
     def unload_ops(self, handle: int) -> None:
+        """Unload an op library: this session's own, or a device-wide one (another's is ERR_HANDLE)."""
         self.client.request(P.DynUnload(module_handle=handle))
 
     def ops(self) -> list[dict]:

@@ -308,9 +308,9 @@ def test_dyn_load_reserved_fields_are_invalid_whatever_the_bit(front, field, val
 
 
 @pytest.mark.parametrize("field", ["flags", "reserved"])
-def test_ops_load_flags_and_reserved_must_be_zero(front, field):
-    base = front.attach(4096)
-    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=16, **{field: 1}))) == S.ERR_INVALID
+def test_ops_load_unknown_flags_and_reserved_are_invalid(front, field):
+    base = front.attach(4096)  # flags bit 0 is device-wide; bit 1 is not defined
+    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=16, **{field: 2}))) == S.ERR_INVALID
 
 
 @pytest.mark.parametrize("field", ["reserved0", "reserved1"])
@@ -327,9 +327,10 @@ def test_model_load_flags_and_reserved_must_be_zero(front, field):
 
 def test_ops_load_reserved_fields_say_so(front):
     base = front.attach(4096)
-    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=10, flags=1))) == S.ERR_INVALID
+    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=10, flags=3))) == S.ERR_INVALID
     (e,) = responses(front(P.GetError()))
-    assert e.payload == b"flags and reserved must be zero"
+    assert e.payload == (b"unknown OPS_LOAD flags 0x3 or reserved 0 (only bit 0, device-wide, is defined; "
+                         b"reserved must be zero)")
 
 
 # ---------------------------------------------------------------- load results from the core
@@ -516,6 +517,51 @@ def test_unload_of_another_connections_op_library_is_err_handle(front):
     (r,) = responses(actions)
     assert r.status == S.ERR_HANDLE and not any(isinstance(a, Notify) for a in actions)
     assert front.st.op_table[0x3001] == ("spin", 0, h) and h in front.st.modules and h in front.st.op_sources
+
+
+def _loaded_lib(front, flags: int, close_before_the_last_core: bool = False) -> tuple[int, list]:
+    """OPS_LOAD of a 1-op library (cmd 0x3001) taken by every core: (its handle, the last actions)."""
+    base = front.attach(4096)
+    (j0,) = _per_core(front(P.OpsLoad(src_dsp_addr=base, src_size=16, flags=flags)))
+    ok = lambda j: j.on_done(jobs.Done(j.rec.job, value=jobs.OpsLoaded([(0x3001, "spin", 0)])))  # noqa: E731
+    rest = _rest(ok(j0))
+    for j in rest[:-1]:
+        ok(j)
+    front.conn.closed = close_before_the_last_core
+    return j0.rec.handle, ok(rest[-1])
+
+
+def test_an_op_library_is_its_connections_and_a_device_wide_one_its_uids(front):
+    own, _ = _loaded_lib(front, 0)
+    shared, _ = _loaded_lib(front, P.OPS_LOAD_DEVICE_WIDE)
+    assert front.conn.oplibs == {own}  # released with the connection; the device-wide one is not
+    assert (front.st.modules[own].shared_uid, front.st.modules[shared].shared_uid) == (None, front.conn.uid)
+    other = _other_conn(front)  # the same uid
+    assert front.h.may_unload(other, front.st.modules[shared]) and not front.h.may_unload(other, front.st.modules[own])
+    stranger = Conn(front.st.new_id(), None, front.conn.uid + 1)
+    assert not front.h.may_unload(stranger, front.st.modules[shared])
+    front.h.unload_ops(front.st.modules[own])
+    assert front.conn.oplibs == set() and own not in front.st.modules
+
+
+def test_unload_of_another_connections_device_wide_op_library_succeeds(front):
+    h = front.st.new_id()
+    front.st.modules[h] = ModuleRec(h, _other_conn(front).cid, 0, 0, "oplib", shared_uid=front.conn.uid)
+    front.st.op_table[0x3001] = ("spin", 0, h)
+    actions = front(P.DynUnload(module_handle=h))
+    (r,) = responses(actions)
+    assert r.status == 0 and 0x3001 not in front.st.op_table and h not in front.st.modules
+    assert any(isinstance(a, Notify) and a.rec.handle == h for a in actions)
+
+
+@pytest.mark.parametrize("flags, kept", [(0, False), (P.OPS_LOAD_DEVICE_WIDE, True)])
+def test_an_op_library_whose_connection_closed_during_the_load(front, flags, kept):
+    """Its own library would have no one to unload it: undone on every core
+    that took it; a device-wide one is installed all the same."""
+    handle, actions = _loaded_lib(front, flags, close_before_the_last_core=True)
+    assert (handle in front.st.modules, 0x3001 in front.st.op_table) == (kept, kept)
+    undo = sorted(a.core for a in actions if isinstance(a, Notify) and isinstance(a.rec, jobs.UnloadOps))
+    assert undo == ([] if kept else list(range(front.h.cores.count)))
 
 
 def test_infer_with_another_connections_module_is_err_handle(front):
@@ -838,9 +884,9 @@ def test_op_library_size_limits(front, size, want):
     assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=size))) == want
 
 
-def test_op_library_flags_must_be_zero(front):
+def test_op_library_flag_bits_past_bit_0_are_invalid(front):
     base = front.attach(4096)
-    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=16, flags=1))) == S.ERR_INVALID
+    assert status(front(P.OpsLoad(src_dsp_addr=base, src_size=16, flags=0xFFFFFFFE))) == S.ERR_INVALID
 
 
 # ---------------------------------------------------------------- GET_ERROR / POOL_STATUS

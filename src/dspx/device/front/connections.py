@@ -241,13 +241,15 @@ class Connections:
             self.front.scheduler.abort_running(conn)
 
     def release(self, conn: Conn, notify_cores: bool = True) -> None:
-        """Free everything the connection held: models, modules, buffers."""
+        """Free everything the connection held: models, modules, its own op libraries, buffers."""
         h = self.front.handlers
         actions = h.invalidate(conn)
         for mid in list(conn.models):
             actions += h.unload_model(self.st.models[mid])
         for handle in list(conn.modules):
             actions += h.unload_module(self.st.modules[handle])
+        for handle in list(conn.oplibs):
+            actions += h.unload_ops(self.st.modules[handle])
         for addr in list(conn.bufs):
             actions += h.detach(conn, addr)
         actions.append(Forget(conns=[conn.cid]))

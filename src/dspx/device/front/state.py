@@ -112,6 +112,7 @@ class Conn:
     printf: tuple | None = None  # (addr, size)
     modules: set = field(default_factory=set)
     models: set = field(default_factory=set)
+    oplibs: set = field(default_factory=set)  # op libraries it owns: unloaded when it closes
     last_error: tuple = (0, 0, "")
     last_cost: tuple | None = None  # (core index, jobs.Cost) of its last counted call, for GET_COST
     inflight: int = 0
@@ -153,6 +154,7 @@ class ModuleRec:
     ddr_bytes: int = 0
     signature: object = None  # jobs.ModuleSig | None
     image: "Buffer | None" = None  # the front's copy of its bytes, to load it again after a core restart
+    shared_uid: int | None = None  # a device-wide op library: any connection of this uid unloads it
 
 
 @dataclass

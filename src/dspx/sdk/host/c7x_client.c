@@ -17,6 +17,7 @@
 
 #include "c7x_client.h"
 #include "dspx_internal.h"
+#include "dspx_shape.h"
 
 #define RETIRED_MAX 8
 
@@ -412,17 +413,6 @@ static int dtype_ok(int32_t code, int32_t bits) {
     return 0;
 }
 
-/* bytes of a shape, or -1 on overflow / bad extent */
-static int64_t shape_bytes(int32_t ndim, const int64_t *shape, int32_t bits) {
-    uint64_t n = 1;
-    for (int i = 0; i < ndim; i++) {
-        if (shape[i] < 0) return -1;
-        if (shape[i] && n > (UINT64_MAX >> 4) / (uint64_t)shape[i]) return -1; /* n * 8 bytes fits below 2^63 */
-        n *= (uint64_t)shape[i];
-    }
-    return (int64_t)(n * (uint64_t)(bits / 8)); /* whole bytes (dtype_ok): < 2^63, where n * bits could wrap */
-}
-
 DSPX_API int c7x_client_create_input(c7x_client_t *c, int32_t ndim, const int64_t *shape, int32_t dtype_code,
                                      int32_t dtype_bits, c7x_tensor_desc_t *out) {
     BEGIN(c);
@@ -431,7 +421,7 @@ DSPX_API int c7x_client_create_input(c7x_client_t *c, int32_t ndim, const int64_
     if (!dtype_ok(dtype_code, dtype_bits))
         return dspx_fail(&c->conn, -EINVAL, 0, "create_input: unsupported dtype (code %d, bits %d)", dtype_code,
                          dtype_bits);
-    int64_t nbytes = shape_bytes(ndim, shape, dtype_bits);
+    int64_t nbytes = dspx_shape_bytes(ndim, shape, dtype_bits);
     if (nbytes < 0) return dspx_fail(&c->conn, -EINVAL, 0, "create_input: bad shape");
     if (c->input_buf.fd < 0)
         return dspx_fail(&c->conn, -EFBIG, 0,
@@ -491,7 +481,7 @@ static int from_wire(c7x_client_t *c, const dspx_wire_tensor_desc_t *w, c7x_tens
     int64_t shape[C7X_MAX_NDIM];
     memcpy(shape, w->shape, sizeof shape); /* aligned: the wire struct is packed */
     if (w->ndim < 0 || w->ndim > C7X_MAX_NDIM || !dtype_ok(w->dtype_code, w->dtype_bits) ||
-        (int64_t)w->data_size < 0 || shape_bytes(w->ndim, shape, w->dtype_bits) != (int64_t)w->data_size)
+        (int64_t)w->data_size < 0 || dspx_shape_bytes(w->ndim, shape, w->dtype_bits) != (int64_t)w->data_size)
         return dspx_fail(&c->conn, -EPROTO, 0,
                          "output descriptor is not a tensor: ndim %d, dtype (code %d, bits %d), %llu bytes",
                          w->ndim, w->dtype_code, w->dtype_bits, (unsigned long long)w->data_size);

@@ -2,6 +2,7 @@
 // does: load model.so and the weights file named by metadata.json, run on
 // DLPack tensors, outputs as views of output_buf.
 #include "c7x_runtime.h"
+#include "dspx_shape.h"
 
 #include <cerrno>
 #include <cstdio>
@@ -224,6 +225,13 @@ const char* errno_name(int rc) {
   }
 }
 
+// "[2, 3, 4]", for an error message
+std::string shape_text(const DLTensor* t) {
+  std::string s = "[";
+  for (int k = 0; k < t->ndim; k++) s += (k ? ", " : "") + std::to_string(t->shape[k]);
+  return s + "]";
+}
+
 }  // namespace
 
 namespace c7x {
@@ -386,17 +394,21 @@ DSPX_API const std::vector<OutputTensor>& Module::Run(const std::vector<const DL
       throw Error(-EINVAL, 0, where + " is not in host memory");
     if (t->dtype.lanes != 1) throw Error(-EINVAL, 0, where + ": lanes must be 1");
     if (t->ndim < 0 || t->ndim > C7X_MAX_NDIM) throw Error(-EINVAL, 0, where + ": ndim outside 0..6");
-    int64_t n = 1, expect = 1;
-    for (int k = t->ndim - 1; k >= 0; k--) {
+    // the C client's guard: a shape whose size wraps would send a small tensor
+    int64_t nbytes = dspx_shape_bytes(t->ndim, t->shape, t->dtype.bits);
+    if (nbytes < 0)
+      throw Error(-EINVAL, 0, where + ": bad shape " + shape_text(t) + " (a negative extent, or 2^60 elements or more)");
+    // strides matter only when there are elements; then every partial product is below 2^60
+    int64_t expect = 1;
+    for (int k = t->ndim - 1; k >= 0 && nbytes; k--) {
       if (t->strides && t->shape[k] != 1 && t->strides[k] != expect)
         throw Error(-EINVAL, 0, where + " is not compact row-major (pass a contiguous tensor)");
       expect *= t->shape[k];
-      n *= t->shape[k];
     }
     c7x_tensor_desc_t& d = in[i];
     std::memset(&d, 0, sizeof d);
     d.data = static_cast<uint8_t*>(t->data) + t->byte_offset;
-    d.data_size = static_cast<size_t>(n) * t->dtype.bits / 8;
+    d.data_size = static_cast<size_t>(nbytes);
     d.ndim = t->ndim;
     d.dtype_code = t->dtype.code;
     d.dtype_bits = t->dtype.bits;

@@ -74,9 +74,9 @@ class ModuleHandlers:
 
     def h_dyn_unload(self, conn, req, fds):
         rec = self.st.modules.get(req.module_handle)
-        # only the connection that loaded an op library unloads it: another's
-        # handle falls through to module(), which answers ERR_HANDLE
-        if rec is not None and rec.kind == "oplib" and rec.cid == conn.cid:
+        # an op library's owner unloads it (any connection, for a device-wide
+        # one); another's handle falls through to module(): ERR_HANDLE
+        if rec is not None and rec.kind == "oplib" and self.may_unload(conn, rec):
             return self.unload_ops(rec) + [Respond(P.DynUnloadResp(seq=req.seq))]
         rec = self.st.module(conn, req.module_handle)
         self.st.drop_module(rec)  # the handle is dead from now on

@@ -15,8 +15,9 @@ class OpLibHandlers:
     job_timeout_s: float
 
     def h_ops_load(self, conn, req, fds):
-        if req.flags or req.reserved:
-            raise Reject(S.ERR_INVALID, "flags and reserved must be zero")
+        if req.flags & ~P.OPS_LOAD_DEVICE_WIDE or req.reserved:
+            raise Reject(S.ERR_INVALID, f"unknown OPS_LOAD flags 0x{req.flags:x} or reserved {req.reserved} "
+                                        "(only bit 0, device-wide, is defined; reserved must be zero)")
         if req.src_size == 0 or req.src_size > MAX_OPLIB_SOURCE:
             raise Reject(S.ERR_SIZE, f"op library of {req.src_size} bytes (1..{MAX_OPLIB_SOURCE})")
         b, off = conn.resolve(req.src_dsp_addr, req.src_size, "op library source")
@@ -31,7 +32,12 @@ class OpLibHandlers:
     # the limit, not all of them.
     OPS_LOAD_LIMIT_S = 20.0
 
+    # Ownership: a library is its connection's — only that one unloads it, and
+    # it goes when that one closes (also when it closed during the load) —
+    # unless OPS_LOAD asked for a device-wide one: that stays until any
+    # connection of the same uid unloads it or the device stops.
     def _load_ops(self, conn, req, source: bytes, filename: str) -> list:
+        device_wide = isinstance(req, P.OpsLoad) and bool(req.flags & P.OPS_LOAD_DEVICE_WIDE)
         if len(source) > MAX_OPLIB_SOURCE:
             raise Reject(S.ERR_SIZE, f"op library of {len(source)} bytes (1..{MAX_OPLIB_SOURCE})")
         handle = self.st.new_id()
@@ -39,17 +45,21 @@ class OpLibHandlers:
         limit = min(self.OPS_LOAD_LIMIT_S, self.job_timeout_s or self.OPS_LOAD_LIMIT_S)
 
         def finished() -> list:
+            undo = [Notify(j, jobs.UnloadOps(handle=handle)) for j, d in results.items() if d.status == S.SUCCESS]
+            if conn.closed and not device_wide:
+                return undo  # its owner is gone: nobody could unload it
             bad = [(i, r) for i, r in sorted(results.items()) if r.status != S.SUCCESS]
             if bad:
                 i, r = bad[0]
                 e = Reject(r.status, f"core {i}: {r.error}", error_line=r.numbers.get("error_line", 0))
                 conn.last_error = (req.seq, int(e.status), str(e))
-                undo = [Notify(j, jobs.UnloadOps(handle=handle)) for j, d in results.items()
-                        if d.status == S.SUCCESS]
                 return undo + [RespondTo(conn, P.failure(req, e.status, **e.numbers))]
             ops = results[0].value.ops
             self.st.op_sources[handle] = (source, filename)
-            self.st.modules[handle] = ModuleRec(handle, conn.cid, 0, 0, "oplib")
+            self.st.modules[handle] = ModuleRec(handle, conn.cid, 0, 0, "oplib",
+                                                shared_uid=conn.uid if device_wide else None)
+            if not device_wide:
+                conn.oplibs.add(handle)
             for cmd, name, lat in ops:
                 self.st.op_table[cmd] = (name, lat, handle)
             resp = (P.DynLoadResp(seq=req.seq, module_handle=handle) if isinstance(req, P.DynLoad)
@@ -88,7 +98,15 @@ class OpLibHandlers:
                                        run_limit_s=self.OPS_LOAD_LIMIT_S)))
         return out
 
+    @staticmethod
+    def may_unload(conn, rec: ModuleRec) -> bool:
+        """Whether ``conn`` may unload op library ``rec``: its owner's, or any of the uid of a device-wide one."""
+        return rec.cid == conn.cid or (rec.shared_uid is not None and rec.shared_uid == conn.uid)
+
     def unload_ops(self, rec: ModuleRec) -> list:
+        owner = self.st.conns.get(rec.cid)
+        if owner is not None:
+            owner.oplibs.discard(rec.handle)
         for cmd in [c for c, v in self.st.op_table.items() if v[2] == rec.handle]:
             del self.st.op_table[cmd]
         self.st.op_sources.pop(rec.handle, None)
