@@ -74,10 +74,16 @@ class ModuleHandlers:
 
     def h_dyn_unload(self, conn, req, fds):
         rec = self.st.modules.get(req.module_handle)
-        # only the connection that loaded an op library unloads it: another's
-        # handle falls through to module(), which answers ERR_HANDLE
-        if rec is not None and rec.kind == "oplib" and rec.cid == conn.cid:
-            return self.unload_ops(rec) + [Respond(P.DynUnloadResp(seq=req.seq))]
+        # An op library is unloaded by the connection that loaded it, or by any
+        # once that one has closed (it was `dspx load-ops`, say: every peer is
+        # of the device's uid); while its connection is open, another's unload
+        # is ERR_HANDLE.
+        if rec is not None and rec.kind == "oplib":
+            owner = self.st.conns.get(rec.cid)
+            if owner is None or owner is conn:
+                return self.unload_ops(rec) + [Respond(P.DynUnloadResp(seq=req.seq))]
+            raise Reject(S.ERR_HANDLE, f"op library {rec.handle} belongs to a connection of process {owner.pid} "
+                                       f"that is still open: only that connection unloads it")
         rec = self.st.module(conn, req.module_handle)
         self.st.drop_module(rec)  # the handle is dead from now on
         return self.invalidate(conn) + self._answer_after_core(
