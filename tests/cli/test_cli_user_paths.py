@@ -249,6 +249,7 @@ def test_trace_removes_its_parts_and_keeps_a_users_file(mod, x, tmp_path, defaul
                             "--trace", str(tmp_path / name), *where], capture_output=True, text=True, timeout=180,
                            env=env)
         assert p.returncode == 0, p.stderr
+        assert ("the device does not trace" in p.stderr) is bool(where), p.stderr  # the shared one was not told to
         events = json.loads((tmp_path / name).read_text())["traceEvents"]
         assert "host" in {e["args"]["name"] for e in events if e.get("name") == "process_name"}
     assert not (tmp_path / "out.json.parts").exists()

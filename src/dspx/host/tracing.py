@@ -216,7 +216,12 @@ def finish() -> Path | None:
     if rec is None or _finished:
         return None if rec is None else rec.path
     missing = wait_for_device()
-    if missing:
+    parts = trace.parts_dir(rec.path)
+    if missing and not any(f.stem != str(rec.pid) for f in parts.glob("*.jsonl")):
+        # no other process wrote a part: the device it used was started without DSPX_TRACE
+        logging.getLogger("dspx").warning("trace %s: host events only: the device does not trace (a running "
+                                          "device traces when started with DSPX_TRACE=%s)", rec.path, rec.path)
+    elif missing:
         logging.getLogger("dspx").warning("trace %s: merged without %s (not written within %.0f s, or their "
                                           "process ended first)", rec.path, ", ".join(missing), WAIT_S)
     rec.flush()
@@ -227,7 +232,7 @@ def finish() -> Path | None:
     tmp.write_text(json.dumps(data), encoding="utf-8")
     tmp.replace(rec.path)
     _finished = True
-    _remove_parts(trace.parts_dir(rec.path), rec.pid)
+    _remove_parts(parts, rec.pid)
     return rec.path
 
 
