@@ -98,6 +98,7 @@ def test_run_print_shows_the_values(mod, x, tmp_path, default_device):
     code, out, err = dspx("run", mod, "-i", tmp_path / "x.npy", "--print", "--socket", default_device.path)
     assert code == 0, err
     lines = out.splitlines()
+    assert "the module's first call, cold" in lines[1]  # one call, no warm-up to drop: said
     at = lines.index(next(ln for ln in lines if ln.split()[:2] == ["output", "argmax"]))
     assert lines[at].split()[2] == "int64[2]"
     assert lines[at + 1].strip() == np.array2string(np.argmax(x @ _weight(), axis=1), separator=", ")

@@ -290,7 +290,8 @@ def _print_result(module, result, private, descs, values, written, report, estim
         click.echo(f"  warm-up  {fmt.duration_ns(r['warmup_ms'] * 1e6)} (the first run, not counted)")
     else:
         cycles = result["cycles"]
-        click.echo(f"  time     {fmt.duration_ns(cycles)} ({cycles:,} cycles; {CLOCK})")
+        click.echo(f"  time     {fmt.duration_ns(cycles)} ({cycles:,} cycles; {CLOCK}); the module's first call, "
+                   "cold: --repeat N times warm runs")
     width = max(len(d["name"]) for d in descs) if descs else 0
     for i, d in enumerate(descs):
         click.echo(f"  output   {d['name']:<{width}}  {d['dtype']}[{', '.join(map(str, d['shape']))}]")
