@@ -8,7 +8,7 @@ and one error policy (``errors.py``): user mistakes as one ``error: …`` line
 on stderr (with ``--json``: one JSON error object on stdout) and a non-zero
 exit, Ctrl-C → exit 130.  The commands live one module per group:
 ``device`` (serve, ping, status, devices), ``info``, ``run``, ``compile``,
-``ops`` (load-ops, ops, build-ops, sdk), ``llm`` (compile-llm, generate,
+``ops`` (load-ops, unload-ops, ops, build-ops, sdk), ``llm`` (compile-llm, generate,
 chat, serve-llm) and ``serve_models`` (serve-models).
 
 Shell completion (click's): ``eval "$(_DSPX_COMPLETE=bash_source dspx)"``
@@ -65,7 +65,8 @@ COMMANDS = (
     ("dspx.cli.device", "serve", "serve"), ("dspx.cli.device", "ping", "ping"),
     ("dspx.cli.device", "status", "status"), ("dspx.cli.device", "devices", "devices"),
     ("dspx.cli.info", "info", "info"), ("dspx.cli.run", "run", "run"), ("dspx.cli.compile", "compile_cmd", "compile"),
-    ("dspx.cli.ops", "load_ops", "load-ops"), ("dspx.cli.ops", "ops", "ops"),
+    ("dspx.cli.ops", "load_ops", "load-ops"), ("dspx.cli.ops", "unload_ops", "unload-ops"),
+    ("dspx.cli.ops", "ops", "ops"),
     ("dspx.cli.ops", "sdk", "sdk"), ("dspx.cli.ops", "build_ops", "build-ops"),
     ("dspx.cli.llm", "compile_llm", "compile-llm"), ("dspx.cli.llm", "generate", "generate"),
     ("dspx.cli.llm", "chat", "chat"), ("dspx.cli.llm", "serve_llm", "serve-llm"),

