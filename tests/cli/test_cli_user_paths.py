@@ -203,7 +203,7 @@ def test_a_fixed_library_is_reloaded_without_restarting_the_device(tmp_path, def
     # A library a program still connected loaded is that program's: refused, naming it.
     with Tasks(socket=default_device.path) as other:
         held, _ = other.load_ops(LIB.format(value=3).replace("0x3E31", "0x3E32"))
-        one_error(*dspx("unload-ops", held, *s), "ERR_HANDLE", "still open", str(os.getpid()))
+        one_error(*dspx("unload-ops", held, *s), "ERR_HANDLE", "only that connection", str(os.getpid()))
         code, out, _ = dspx("unload-ops", "--all", "--json", *s)
         res = json.loads(out)
         assert code == 0 and [k["library"] for k in res["kept"]] == [held] and len(res["unloaded"]) >= 1

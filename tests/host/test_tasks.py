@@ -1,6 +1,7 @@
 """Custom operators through the real device: UCP-style tasks, op libraries
 sent at runtime, several cores, priorities, timeouts and failures."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -257,7 +258,8 @@ def test_unload_unregisters(ucp):
 
 
 def test_cli_load_ops_and_ops_json(dev2):
-    env = {"DSPX_SOCKET": dev2.path, "PATH": "/usr/bin:/bin"}
+    env = {"DSPX_SOCKET": dev2.path, "PATH": "/usr/bin:/bin",  # the checkout under test, not the venv's install
+           **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}}
     r = subprocess.run([sys.executable, "-m", "dspx.cli", "load-ops", "examples/softmax/softmax_ops.py", "--json"],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
