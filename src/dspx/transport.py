@@ -232,16 +232,17 @@ def listen(path: str, backlog: int = 64) -> socket.socket:
     return s
 
 
-def file_id(path: str) -> tuple[int, int] | None:
-    """(device, inode) of ``path`` itself, None if it is gone."""
+def file_id(path: str) -> tuple[int, int, int] | None:
+    """(device, inode, change time) of ``path`` itself, None if it is gone: a
+    file made later under that name differs, even if it got the same inode."""
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    return st.st_dev, st.st_ino
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
-def unlink_if(path: str, ident: tuple[int, int] | None) -> None:
+def unlink_if(path: str, ident: tuple[int, int, int] | None) -> None:
     """Remove the socket this device bound, not one a successor bound there since."""
     if ident is not None and file_id(path) == ident:
         try:
