@@ -115,6 +115,8 @@ class Service:
                         self.log(f"internal error in housekeeping (device keeps serving): {e!r}")
                     next_check = now + 0.05
         finally:
+            if self.stopped_by is not None:
+                self.log(f"{signal.Signals(self.stopped_by).name}: stopping")
             self.shutdown()
 
     def _on_signal(self, signum, _frame):
