@@ -102,14 +102,15 @@ def _check_dir(d: str, st: os.stat_result, last: bool) -> None:
     """One directory on the socket's way: ours or root's, and nobody else may
     write to it (a sticky one like /tmp is fine above the socket's own)."""
     uid = os.getuid()
+    what = "socket directory" if last else "directory"  # else one above the socket's
     if not stat.S_ISDIR(st.st_mode):
         raise UntrustedPath(f"{d} is not a directory")
     if st.st_uid not in ((uid,) if last else (uid, 0)):
-        raise UntrustedPath(f"socket directory {d} is owned by uid {st.st_uid}, not {uid}: that user could "
-                            f"replace the socket")
+        raise UntrustedPath(f"{what} {d} is owned by uid {st.st_uid}, not {uid}: that user could replace the "
+                            f"socket")
     if st.st_mode & 0o022 and not (stat.S_ISVTX & st.st_mode and not last):
-        raise UntrustedPath(f"socket directory {d} has mode {st.st_mode & 0o7777:04o}: others can write to it "
-                            f"and could replace the socket")
+        raise UntrustedPath(f"{what} {d} has mode {st.st_mode & 0o7777:04o}: others can write to it and could "
+                            f"replace the socket")
 
 
 def _walk(d: str, final: bool) -> str:
@@ -119,7 +120,7 @@ def _walk(d: str, final: bool) -> str:
     plant one there).  FileNotFoundError when a directory is missing."""
     todo, cur, hops = [p for p in d.split("/") if p], "/", 0
     cur_st = os.stat("/")
-    _check_dir("/", cur_st, final and not todo)
+    _check_dir("/", cur_st, False)
     while todo:
         name = todo.pop(0)
         if name == ".":
@@ -143,6 +144,8 @@ def _walk(d: str, final: bool) -> str:
             continue
         _check_dir(nxt, st, final and not todo)
         cur, cur_st = nxt, st
+    if final:  # where the path ended up, however it got there (a symlink to "..")
+        _check_dir(cur, cur_st, True)
     return cur
 
 

@@ -120,10 +120,13 @@ def test_symlinks_are_followed_to_a_directory_that_is_safe(tmp_path):
     open_dir.chmod(0o777)
     (tmp_path / "to-safe").symlink_to(safe)
     (tmp_path / "to-open").symlink_to(open_dir)
+    (safe / "up").symlink_to("../open")
     assert socket_dir(str(tmp_path / "to-safe" / "x.sock"), create=False) == str(safe)
     assert serve_refusal(str(tmp_path / "to-safe" / "x.sock")) is None
     with pytest.raises(UntrustedPath, match=f"socket directory {open_dir} has mode 0777"):
         socket_dir(str(tmp_path / "to-open" / "x.sock"))
+    with pytest.raises(UntrustedPath, match=f"socket directory {open_dir} has mode 0777"):
+        socket_dir(str(safe / "up" / "x.sock"))  # a relative symlink through ".."
     assert not list(open_dir.iterdir())  # nothing was made there
 
 
