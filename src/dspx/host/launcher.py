@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from ..errors import DspxError
@@ -224,6 +225,8 @@ def start_background(path: str | None = None) -> str:
             proc = subprocess.Popen(_device_command(path, "--idle-exit", idle), stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=out, start_new_session=True, cwd="/", env=_background_env())
         _wait_listening(proc, path, lambda: _tail(log_path), proc.kill)
+    # Reaped here if it stops (idle) while this program still runs; else init reaps it.
+    threading.Thread(target=proc.wait, name="dspx-background-reaper", daemon=True).start()
     log.info("started the background device on %s (pid %d; log %s; it stops after %g s without a connection, "
              "`dspx stop` ends it now)", path, proc.pid, log_path, idle)
     return path
