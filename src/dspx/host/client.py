@@ -76,10 +76,7 @@ class Client:
         (up to STAGING_SIZE / KV_SIZE), so a client that only pings or runs
         tasks takes none of the shared window; a number reserves exactly that
         at open (the staging buffer then lands first, at the window base);
-        0 means none at all.  Which device (launcher.resolve): ``socket``, else
-        a private one with ``private=True``, else ``$DSPX_SOCKET``, else the
-        per-user background device (started on first use; ``$DSPX_PRIVATE=1``
-        or ``cores`` > 1: a private one)."""
+        0 means none at all.  Which device: launcher.resolve (docs/device.md)."""
         self.timeout = timeout
         self.session = Session()
         self._infer_layouts: dict = {}  # layouts of recent inferences (see _layout)
@@ -87,8 +84,7 @@ class Client:
         self._sent_at: dict[int, int] = {}  # seq -> when it was sent, while tracing
         self._awaited: tracing.Awaited | None = None  # while tracing: the device spans to wait for at the end
         self.device: launcher.PrivateDevice | None = None
-        path, self.device = launcher.resolve(socket, private=private, cores=cores,
-                                                    extra_args=device_args)
+        path, self.device = launcher.resolve(socket, private=private, cores=cores, extra_args=device_args)
         self.socket_path = path
         try:
             self.ep = connect(path, timeout=min(timeout, 10.0))

@@ -160,7 +160,8 @@ def no_device_hint(given: str, origin: str) -> str:
         alt = os.path.join(default_socket_dir(), os.path.basename(path))
         if serve_refusal(alt) is not None:
             alt = '"$(mktemp -d)/dsp0.sock"'
-        start = f"a device cannot serve there ({refusal}): start one with `dspx serve --socket {alt}` and use that socket"
+        start = (f"a device cannot serve there ({refusal}): start one with `dspx serve --socket {alt}` and use "
+                 f"that socket")
     if origin == "--socket":
         default = "or leave out --socket" + (" and unset DSPX_SOCKET" if os.environ.get("DSPX_SOCKET") else "")
     else:
