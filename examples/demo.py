@@ -76,7 +76,7 @@ def softmax_estimate(n: int, profile: str = "j6-vision") -> None:
 
 def main() -> int:
     step("device: start, ping, status")
-    with dspx.Client() as dev:
+    with dspx.Client(private=True) as dev:  # a device of its own, gone when the demo ends (docs/device.md)
         print(f"private simulated device on {dev.socket_path}")
         rtts = sorted(dev.ping()["rtt_us"] for _ in range(200))
         st = dev.status()

@@ -13,6 +13,12 @@ from dspx.transport import is_listening
 
 SMALL = ["--carveout-size", "64M", "--ddr-pool-size", "64M"]
 
+# Every host entry point and CLI the tests start without a socket gets a
+# private device (launcher.resolve): none starts the per-user background
+# device, or uses one a user left running.  Tests of the background device
+# unset it, with a temporary XDG_RUNTIME_DIR (tests/cli/test_cli_warm.py).
+os.environ["DSPX_PRIVATE"] = "1"
+
 
 class Device:
     """A `python -m dspx.device` process on its own socket."""

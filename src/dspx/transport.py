@@ -12,6 +12,7 @@ import errno
 import os
 import select
 import socket
+import stat
 import struct
 import time
 
@@ -48,15 +49,6 @@ def recv_exact(s: socket.socket, what: str, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def default_socket_path() -> str:
-    """``$DSPX_SOCKET``, else ``${XDG_RUNTIME_DIR:-/tmp}/dspx-<uid>/dsp0.sock``."""
-    env = os.environ.get("DSPX_SOCKET")
-    if env:
-        return env
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return os.path.join(base, f"dspx-{os.getuid()}", "dsp0.sock")
-
-
 def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end (SO_PEERCRED)."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -71,59 +63,195 @@ class UntrustedPath(TransportError):
     """A socket directory another user could control, or a listener of another uid."""
 
 
+def default_socket_dir() -> str:
+    """The per-user socket directory: ``${XDG_RUNTIME_DIR:-/tmp}/dspx-<uid>``."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return os.path.join(base, f"dspx-{os.getuid()}")
+
+
+def user_socket_path() -> str:
+    """The per-user default socket: ``${XDG_RUNTIME_DIR:-/tmp}/dspx-<uid>/dsp0.sock``."""
+    return os.path.join(default_socket_dir(), "dsp0.sock")
+
+
+def default_socket_path() -> str:
+    """``$DSPX_SOCKET``, else the per-user socket (``user_socket_path``)."""
+    return os.environ.get("DSPX_SOCKET") or user_socket_path()
+
+
+def _shared(st: os.stat_result) -> bool:
+    """A directory others may write to, sticky like /tmp (they cannot remove what is ours)."""
+    return bool(st.st_mode & stat.S_ISVTX) and bool(st.st_mode & 0o022)
+
+
+def socket_path(path: str) -> str:
+    """Where the socket named ``path`` really lives: in a shared directory
+    (sticky and writable by others, like /tmp) that is the private
+    subdirectory ``dspx-<uid>`` of it, so ``--socket /tmp/x.sock`` means
+    ``/tmp/dspx-<uid>/x.sock`` for the device and for every client alike."""
+    path = os.path.abspath(path)
+    d, name = os.path.split(path)
+    try:
+        st = os.stat(d)
+    except OSError:
+        return path
+    return os.path.join(d, f"dspx-{os.getuid()}", name) if _shared(st) else path
+
+
+def _check_dir(d: str, st: os.stat_result, last: bool) -> None:
+    """One directory on the socket's way: ours or root's, and nobody else may
+    write to it (a sticky one like /tmp is fine above the socket's own)."""
+    uid = os.getuid()
+    what = "socket directory" if last else "directory"  # else one above the socket's
+    if not stat.S_ISDIR(st.st_mode):
+        raise UntrustedPath(f"{d} is not a directory")
+    if st.st_uid not in ((uid,) if last else (uid, 0)):
+        raise UntrustedPath(f"{what} {d} is owned by uid {st.st_uid}, not {uid}: that user could replace the "
+                            f"socket")
+    if st.st_mode & 0o022 and not (stat.S_ISVTX & st.st_mode and not last):
+        raise UntrustedPath(f"{what} {d} has mode {st.st_mode & 0o7777:04o}: others can write to it and could "
+                            f"replace the socket")
+
+
+def _walk(d: str, final: bool) -> str:
+    """``d`` (absolute) with its symlinks resolved, each directory on the way
+    checked by ``_check_dir`` (``final``: ``d`` is the socket's own directory);
+    a symlink in a shared directory is followed only if it is ours (anyone may
+    plant one there).  FileNotFoundError when a directory is missing."""
+    todo, cur, hops = [p for p in d.split("/") if p], "/", 0
+    cur_st = os.stat("/")
+    _check_dir("/", cur_st, False)
+    while todo:
+        name = todo.pop(0)
+        if name == ".":
+            continue
+        if name == "..":
+            cur = os.path.dirname(cur)
+            cur_st = os.stat(cur)
+            continue
+        nxt = os.path.join(cur, name)
+        st = os.lstat(nxt)
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > 40:
+                raise UntrustedPath(f"too many symlinks on the way to {d}")
+            if _shared(cur_st) and st.st_uid != os.getuid():
+                raise UntrustedPath(f"{nxt} is a symlink of uid {st.st_uid} in shared {cur}; refusing to follow it")
+            target = os.readlink(nxt)
+            todo[:0] = [p for p in target.split("/") if p]
+            if target.startswith("/"):
+                cur, cur_st = "/", os.stat("/")
+            continue
+        _check_dir(nxt, st, final and not todo)
+        cur, cur_st = nxt, st
+    if final:  # where the path ended up, however it got there (a symlink to "..")
+        _check_dir(cur, cur_st, True)
+    return cur
+
+
 def socket_dir(path: str, create: bool = True) -> str:
-    """The socket's parent directory, checked like a file opened O_NOFOLLOW:
-    a real directory (not a symlink), owned by us, mode 0700.  It is created
-    (0700) when missing; an existing one is never chmodded or followed —
-    anything else is refused (UntrustedPath), so a directory another user
-    planted (say a symlinked ``dspx-<uid>`` in sticky /tmp) is not used."""
-    d = os.path.dirname(os.path.abspath(path))
-    if create:
-        os.makedirs(os.path.dirname(d), exist_ok=True)
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            pass
+    """The checked, real directory of the socket ``path`` (as ``socket_path``
+    places it): every directory from / down to it is yours or root's and
+    nobody else can write to it (a sticky one like /tmp only above it), and a
+    symlink on the way is followed only where nobody else could have planted
+    it.  A missing last directory is created 0700 (with ``create``); nothing
+    is ever chmodded.  Anything else: UntrustedPath, naming the directory."""
+    d = os.path.dirname(socket_path(path))
     try:
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        if create:
+            os.makedirs(os.path.dirname(d), exist_ok=True)  # checked below, like the rest of the way
+            _walk(os.path.dirname(d), final=False)  # before anything is made inside it
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:
+                pass
+        return _walk(d, final=True)
+    except FileNotFoundError as e:
+        raise UntrustedPath(f"socket directory {e.filename or d} does not exist") from None
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UntrustedPath(f"socket directory {d} is a symlink or not a directory; refusing to use it") from None
-        raise UntrustedPath(f"cannot open socket directory {d}: {e.strerror}") from None
+        if isinstance(e, UntrustedPath):
+            raise
+        raise UntrustedPath(f"cannot use socket directory {e.filename or d}: {e.strerror}") from None
+
+
+def serve_refusal(path: str) -> str | None:
+    """Why a device could not serve on ``path`` (None: it could), without
+    creating anything: what ``listen`` would refuse."""
+    real = socket_path(path)
+    d = os.path.dirname(real)
     try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if st.st_uid != os.getuid():
-        raise UntrustedPath(f"socket directory {d} is owned by uid {st.st_uid}, not {os.getuid()}; refusing to use it")
-    if st.st_mode & 0o777 != 0o700:
-        raise UntrustedPath(f"socket directory {d} has mode {st.st_mode & 0o777:04o}, must be 0700; refusing to "
-                            f"use it (chmod 700 it if it is yours)")
-    return d
+        if os.path.lexists(d):
+            _walk(d, final=True)
+        else:  # listen would create it (and any missing parent) in the nearest existing directory
+            up = os.path.dirname(d)
+            while not os.path.lexists(up):
+                up = os.path.dirname(up)
+            _walk(up, final=False)
+    except UntrustedPath as e:
+        return str(e)
+    except OSError as e:
+        return f"cannot use socket directory {e.filename or d}: {e.strerror}"
+    try:
+        st = os.lstat(real)
+    except OSError:
+        return None
+    return None if stat.S_ISSOCK(st.st_mode) else _not_a_socket(real, st)
+
+
+def _not_a_socket(path: str, st: os.stat_result) -> str:
+    kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a symlink" if stat.S_ISLNK(st.st_mode)
+            else "a regular file" if stat.S_ISREG(st.st_mode) else "not a socket")
+    return f"{path} exists and is {kind}, not a socket"
 
 
 def listen(path: str, backlog: int = 64) -> socket.socket:
-    """Bind a listening socket: parent directory checked by ``socket_dir``,
-    socket 0600.  A stale socket file (nothing listening) is replaced; a
-    live one is an error."""
-    socket_dir(path)
+    """Bind a listening socket, 0600, where ``socket_path`` places ``path``
+    (its directory checked by ``socket_dir``; the name bound is
+    ``lsock.getsockname()``).  A stale socket (a socket file no device
+    listens on) is replaced; a live one, or anything that is not a socket (a
+    user's file), is refused and kept."""
+    real = os.path.join(socket_dir(path), os.path.basename(path))
     try:
-        st = os.lstat(path)
+        st = os.lstat(real)
     except FileNotFoundError:
         st = None
     if st is not None:
-        if is_listening(path):
-            raise TransportError(f"a device is already listening on {path}")
-        os.unlink(path)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise TransportError(f"{_not_a_socket(real, st)}: refusing to replace it (choose another --socket)")
+        if is_listening(real):
+            raise TransportError(f"a device is already listening on {real}")
+        os.unlink(real)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     old = os.umask(0o177)
     try:
-        s.bind(path)
+        s.bind(real)
+    except OSError as e:
+        s.close()
+        raise TransportError(f"cannot bind {real}: {e.strerror}") from None
     finally:
         os.umask(old)
-    os.chmod(path, 0o600)
+    os.chmod(real, 0o600)
     s.listen(backlog)
     return s
+
+
+def file_id(path: str) -> tuple[int, int, int] | None:
+    """(device, inode, change time) of ``path`` itself, None if it is gone: a
+    file made later under that name differs, even if it got the same inode."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def unlink_if(path: str, ident: tuple[int, int, int] | None) -> None:
+    """Remove the socket this device bound, not one a successor bound there since."""
+    if ident is not None and file_id(path) == ident:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def is_listening(path: str) -> bool:

@@ -1,5 +1,5 @@
 """dspx/transport.py, the socket both sides speak over: a socket directory
-that is a symlink or open to others is refused, so is a peer of another uid
+open to others (or reached through a symlink someone else planted) is refused, so is a peer of another uid
 (either side), the socket is the owner's only, and a full accept backlog is
 waited for rather than taken for no device."""
 from __future__ import annotations
@@ -28,17 +28,35 @@ def test_a_symlinked_or_open_socket_directory_is_refused(tmp_path):
     target.mkdir(mode=0o755)
     (target / "dsp0.sock").write_text("someone's file")
     link = tmp_path / "dspx-0"
-    link.symlink_to(target)
+    link.symlink_to(target)  # ours, in a directory only we can write: followed, and the file there kept
     r = _serve(str(link / "dsp0.sock"))
-    assert r.returncode == 2 and "is a symlink or not a directory; refusing to use it" in r.stderr, r.stderr
+    assert r.returncode == 2 and f"{target}/dsp0.sock exists and is a regular file, not a socket" in r.stderr, r.stderr
     assert os.stat(target).st_mode & 0o777 == 0o755  # not chmodded
     assert (target / "dsp0.sock").read_text() == "someone's file"  # not replaced
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     os.chmod(open_dir, 0o777)
     r = _serve(str(open_dir / "dsp0.sock"))
-    assert r.returncode == 2 and "has mode 0777, must be 0700" in r.stderr, r.stderr
+    assert r.returncode == 2 and f"socket directory {open_dir} has mode 0777: others can write" in r.stderr, r.stderr
     assert not (open_dir / "dsp0.sock").exists()
+    (open_dir / "sub").mkdir(mode=0o700)  # ours, but below a directory others could swap it out of
+    r = _serve(str(open_dir / "sub" / "dsp0.sock"))
+    assert r.returncode == 2 and f": directory {open_dir} has mode 0777" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to plant a symlink of another uid")
+def test_a_symlink_another_user_planted_in_a_shared_directory_is_not_followed(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # like /tmp
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    planted = shared / f"dspx-{os.getuid()}"  # where --socket shared/x.sock lives
+    planted.symlink_to(mine)
+    os.lchown(planted, 65534, 65534)
+    r = _serve(str(shared / "x.sock"))
+    assert r.returncode == 2 and f"{planted} is a symlink of uid 65534 in shared {shared}" in r.stderr, r.stderr
+    assert not list(mine.iterdir())
 
 
 def test_peer_uid_check_refuses_another_uid():

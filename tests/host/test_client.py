@@ -35,6 +35,7 @@ def test_embedded_default_starts_and_stops_a_private_device(monkeypatch, tmp_pat
 def test_default_socket_is_used_when_a_device_listens(monkeypatch, tmp_path):
     from dspx.transport import default_socket_path, is_listening
     monkeypatch.delenv("DSPX_SOCKET", raising=False)
+    monkeypatch.delenv("DSPX_PRIVATE", raising=False)  # conftest's: a private device even when one listens
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     path = default_socket_path()
     assert path == os.path.join(str(tmp_path), f"dspx-{os.getuid()}", "dsp0.sock")

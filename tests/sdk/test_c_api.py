@@ -431,6 +431,37 @@ def test_no_device_is_said_clearly(driver, tmp_path):
     assert r["desc"] == os.strerror(errno.ECONNREFUSED)
 
 
+def test_no_device_hint_suggests_a_serve_that_is_accepted(driver, tmp_path):
+    """The `dspx serve --socket` libdspx suggests is one serve accepts (the
+    rules of transport.serve_refusal), as the CLI's hint; a socket named in a
+    shared directory is looked for in its dspx-<uid>, where serve puts it."""
+    import re
+
+    from dspx.transport import serve_refusal
+
+    rt, open_dir, shared = tmp_path / "rt", tmp_path / "open", tmp_path / "shared"
+    rt.mkdir(mode=0o700)
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    shared.mkdir()
+    shared.chmod(0o1777)
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"mine")
+    cases = {tmp_path / "new" / "dsp0.sock": tmp_path / "new" / "dsp0.sock",
+             open_dir / "x.sock": rt / f"dspx-{os.getuid()}" / "x.sock",
+             notes: rt / f"dspx-{os.getuid()}" / "notes.txt",
+             shared / "x.sock": shared / f"dspx-{os.getuid()}" / "x.sock"}
+    for given, want in cases.items():
+        r = run(driver, "open", socket_path=given, env={"XDG_RUNTIME_DIR": str(rt)})
+        assert r.rc("open") == -errno.ECONNREFUSED
+        suggested = re.search(r"`dspx serve --socket ([^`]+)`", r["open_error"]).group(1)
+        assert suggested == str(want) and serve_refusal(suggested) is None, r["open_error"]
+        assert "set DSPX_SOCKET" in r["open_error"]
+    assert notes.read_bytes() == b"mine"
+    r = run(driver, "open", socket_path=shared / "x.sock")
+    assert f"listening on {shared / f'dspx-{os.getuid()}' / 'x.sock'}" in r["open_error"]
+
+
 def test_version_mismatch_is_refused_at_open(driver, fake):
     f = fake(version=0x040102)
     r = run(driver, "open", socket_path=f.path)

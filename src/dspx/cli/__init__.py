@@ -7,7 +7,7 @@ Every command is added to the ``dspx`` group (``main``) through
 and one error policy (``errors.py``): user mistakes as one ``error: …`` line
 on stderr (with ``--json``: one JSON error object on stdout) and a non-zero
 exit, Ctrl-C → exit 130.  The commands live one module per group:
-``device`` (serve, ping, status, devices), ``info``, ``run``, ``compile``,
+``device`` (serve, stop, ping, status, devices), ``info``, ``run``, ``compile``,
 ``ops`` (load-ops, unload-ops, ops, build-ops, sdk), ``llm`` (compile-llm, generate,
 chat, serve-llm) and ``serve_models`` (serve-models).
 
@@ -21,7 +21,7 @@ import click
 
 from .. import log
 from . import errors
-from .common import SOCKET_HELP
+from .common import SOCKET_HELP, add_private_option
 
 
 class DspxGroup(click.Group):
@@ -35,6 +35,7 @@ class DspxGroup(click.Group):
             cmd.params += [click.Option(["-v", "--verbose"], count=True, help="more log output (-vv: debug)"),
                            click.Option(["--log-level"], type=click.Choice(log.LEVELS, case_sensitive=False),
                                         help="log level (default: warning, or $DSPX_LOG_LEVEL)")]
+            add_private_option(cmd)
             cmd.callback = _with_logging(cmd.callback)
         super().add_command(cmd, name)
 
@@ -62,7 +63,7 @@ def main():
 # (module, attribute, command name).  A module whose imports need an extra
 # that is not installed gets stand-ins that name the extra.
 COMMANDS = (
-    ("dspx.cli.device", "serve", "serve"), ("dspx.cli.device", "ping", "ping"),
+    ("dspx.cli.device", "serve", "serve"), ("dspx.cli.device", "stop", "stop"), ("dspx.cli.device", "ping", "ping"),
     ("dspx.cli.device", "status", "status"), ("dspx.cli.device", "devices", "devices"),
     ("dspx.cli.info", "info", "info"), ("dspx.cli.run", "run", "run"), ("dspx.cli.compile", "compile_cmd", "compile"),
     ("dspx.cli.ops", "load_ops", "load-ops"), ("dspx.cli.ops", "unload_ops", "unload-ops"),

@@ -1,5 +1,5 @@
-"""``dspx serve``, ``ping``, ``status`` and ``devices``: a device service and
-what runs there."""
+"""``dspx serve``, ``stop``, ``ping``, ``status`` and ``devices``: a device
+service and what runs there."""
 from __future__ import annotations
 
 import glob
@@ -42,18 +42,28 @@ def _size_option(name, default, what):
 @click.option("--cost-model", "cost_model", default=None, metavar="NAME|FILE",
               help="estimate the board's cycles with this timing-model profile (j6-vision, c7x-j722s or a file; "
                    "also $DSPX_COST_MODEL; docs/cost-model.md)")
-def serve(socket, carveout_size, ddr_pool_size, cores, threads, job_timeout, conn_memory, cost_model):
-    """Run the simulated device service in the foreground (Ctrl-C stops it)."""
-    from ..transport import default_socket_path, is_listening
+@click.option("--idle-exit", default=0.0, show_default=True, type=click.FloatRange(min=0), metavar="SECONDS",
+              help="stop after this long with no connection (0: never; the background device commands start "
+                   "uses $DSPX_IDLE_EXIT, default 300)")
+def serve(socket, carveout_size, ddr_pool_size, cores, threads, job_timeout, conn_memory, cost_model, idle_exit):
+    """Run the simulated device service in the foreground (Ctrl-C stops it).
+    A socket in a shared directory such as /tmp lives in its private
+    subdirectory dspx-<uid>; an existing file is replaced only if it is a
+    socket no device listens on."""
+    from ..transport import default_socket_path, is_listening, serve_refusal, socket_path
 
-    path = socket or os.environ.get("DSPX_SOCKET") or default_socket_path()
+    path = socket_path(socket or default_socket_path())
     if is_listening(path):
-        raise DspxError(f"a device is already listening on {path} (stop it, or serve on another --socket)")
+        raise DspxError(f"a device is already listening on {path} (`dspx stop{_socket_arg(socket)}` ends it, "
+                        f"or serve on another --socket)")
+    refusal = serve_refusal(path)
+    if refusal is not None:
+        raise DspxError(f"{refusal}: refusing to serve there (choose another --socket)")
     sizes = [("--carveout-size", carveout_size), ("--ddr-pool-size", ddr_pool_size)]
     if conn_memory is not None:
         sizes.append(("--conn-memory", conn_memory))
     args = [sys.executable, "-m", "dspx.device", "--cores", str(cores), "--threads", str(threads), "--socket", path,
-            "--job-timeout", str(job_timeout)]
+            "--job-timeout", str(job_timeout), "--idle-exit", str(idle_exit)]
     for opt, text in sizes:
         _parse_size(opt, text)
         args += [opt, text]
@@ -65,6 +75,30 @@ def serve(socket, carveout_size, ddr_pool_size, cores, threads, job_timeout, con
     # The device is its own program: replace this process rather than import it.
     # It reads its log level from $DSPX_LOG_LEVEL (set by the logging options).
     os.execv(sys.executable, args)
+
+
+def _socket_arg(socket: str | None) -> str:
+    return f" --socket {socket}" if socket else ""
+
+
+@click.command()
+@click.option("--socket", default=None, help="the device's socket (default: $DSPX_SOCKET, else the per-user "
+                                             "socket, where commands start the background device)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object instead of a line of text")
+def stop(socket, as_json):
+    """Stop the device on the default socket (or --socket): the background
+    device commands start, or a `dspx serve`.  Nothing running is not an error."""
+    from ..host import launcher
+    from ..transport import default_socket_path, socket_path
+
+    path = socket_path(socket or default_socket_path())
+    pid = launcher.stop(path)
+    if as_json:
+        click.echo(json.dumps({"status": "ok", "socket": path, "stopped": pid is not None, "pid": pid}))
+    elif pid is None:
+        click.echo(f"no device is running on {path}; nothing to stop")
+    else:
+        click.echo(f"stopped the device on {path} (pid {pid})")
 
 
 def _parse_size(opt: str, text: str) -> int:
@@ -143,9 +177,11 @@ def candidate_sockets() -> list[tuple[str, str]]:
             seen.add(path)
             found.append((path, why))
 
-    add(os.environ.get("DSPX_SOCKET"), "$DSPX_SOCKET")
-    # the per-user default as transport.default_socket_path computes it without $DSPX_SOCKET
-    default = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"dspx-{os.getuid()}", "dsp0.sock")
+    from ..transport import socket_path, user_socket_path
+
+    env = os.environ.get("DSPX_SOCKET")
+    add(env and socket_path(env), "$DSPX_SOCKET")
+    default = user_socket_path()
     add(default, "default")
     for p in sorted(glob.glob(os.path.join(os.path.dirname(default), "*.sock"))):
         add(p, "per-user directory")
@@ -184,7 +220,8 @@ def devices(as_json):
         click.echo(json.dumps({"status": "ok", "devices": found}))
         return
     if not found:
-        click.echo("no device is running (every command starts a private one; `dspx serve` runs one that stays)")
+        click.echo("no device is running (the first command that needs one starts the background device; "
+                   "`dspx serve` runs one in the foreground)")
     for d in found:
         if d["state"] == "running":
             click.echo(f"{d['socket']}  device {d['version']}, {d['cores']} core(s), up "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from .. import costmodel, memory, trace
@@ -31,6 +32,8 @@ def main(argv=None) -> int:
                          f"{DEFAULT_JOB_TIMEOUT_S:.0f}; 0: no limit; a request's own timeout_ms wins)")
     ap.add_argument("--conn-memory", type=parse_size, default=None,
                     help="window bytes one connection may attach (default: 3/4 of the carveout window)")
+    ap.add_argument("--idle-exit", type=float, default=0.0, metavar="SECONDS",
+                    help="stop after this long with no connection (default 0: never)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     trace.start_from_env("device front", 1, "front loop")  # DSPX_TRACE: the front's timeline (docs/profiling.md)
@@ -46,12 +49,12 @@ def main(argv=None) -> int:
     log = (lambda *m: None) if a.quiet else printer()
     try:
         svc = Service(a.socket or default_socket_path(), a.carveout_size, a.ddr_pool_size, a.cores, a.threads,
-                      a.parent_pid, log, a.job_timeout, a.conn_memory)
+                      a.parent_pid, log, a.job_timeout, a.conn_memory, a.idle_exit)
         svc.serve_forever()
     except TransportError as e:  # e.g. an untrusted socket directory
         print(f"dspx-device: {e}", file=sys.stderr, flush=True)
         return 2
-    return 0
+    return 128 + signal.SIGINT if svc.stopped_by == signal.SIGINT else 0  # Ctrl-C: 130, as a shell reports it
 
 
 if __name__ == "__main__":

@@ -89,13 +89,13 @@ class Client:
 
     def __init__(self, socket: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  staging_size: int | None = None, kv_size: int | None = None,
-                 printf_size: int = memory.PRINTF_SIZE, cores: int = 1, device_args=()):
+                 printf_size: int = memory.PRINTF_SIZE, cores: int = 1, device_args=(), private: bool | None = None):
         """``staging_size`` / ``kv_size``: None (the default) allocates the
         staging buffer and its KV region on first need, sized to that need
         (up to STAGING_SIZE / KV_SIZE), so a client that only pings or runs
         tasks takes none of the shared window; a number reserves exactly that
         at open (the staging buffer then lands first, at the window base);
-        0 means none at all."""
+        0 means none at all.  Which device: launcher.resolve (docs/device.md)."""
         self.timeout = timeout
         self.session = Session()
         self._infer_layouts: dict = {}  # layouts of recent inferences (see _layout)
@@ -103,7 +103,7 @@ class Client:
         self._sent_at: dict[int, int] = {}  # seq -> when it was sent, while tracing
         self._awaited: tracing.Awaited | None = None  # while tracing: the device spans to wait for at the end
         self.device: launcher.PrivateDevice | None = None
-        path, self.device = launcher.resolve(socket, cores=cores, extra_args=device_args)
+        path, self.device = launcher.resolve(socket, private=private, cores=cores, extra_args=device_args)
         self.socket_path = path
         try:
             self.ep = connect(path, timeout=min(timeout, 10.0))

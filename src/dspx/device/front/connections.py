@@ -17,7 +17,7 @@ import time
 from ... import trace
 from ...abi import protocol as P
 from ...abi.protocol import Status as S
-from ...transport import Endpoint, listen, peer_cred
+from ...transport import Endpoint, file_id, listen, peer_cred, unlink_if
 from .actions import Forget
 from .poller import IN, OUT
 from .state import MAX_PENDING_PER_CONN, Conn
@@ -46,6 +46,8 @@ class Connections:
     def listen(self, path: str) -> None:
         lsock = listen(path)
         self.lsock = lsock
+        self.bound = lsock.getsockname()  # where the socket really is (transport.socket_path)
+        self._bound_id = file_id(self.bound)
         lsock.setblocking(False)
         self.front.poller.register(self.lsock.fileno(), self._accept, None)
         self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -58,7 +60,7 @@ class Connections:
             self._accept_paused = 0.0
             self.front.poller.register(self.lsock.fileno(), self._accept, None)
 
-    def shutdown(self, path: str) -> None:
+    def shutdown(self) -> None:
         for s, *_ in self._refused.values():
             s.close()
         for conn in list(self.st.conns.values()):
@@ -66,10 +68,8 @@ class Connections:
         if self.lsock is None:  # never bound: the path is not ours to remove
             return
         self.lsock.close()
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        # Only our own socket: after an idle exit a new device may already be bound there.
+        unlink_if(self.bound, self._bound_id)
 
     # ================================================================ accept, refuse
     def _accept(self, _arg, _events) -> None:
@@ -99,6 +99,7 @@ class Connections:
             self.front.poller.unregister(self.lsock.fileno())
             self._accept_paused = time.monotonic() + 0.1
             return
+        self.front.last_activity = time.monotonic()  # even a probe that closes at once: not idle
         pid, uid, _ = peer_cred(s)
         if uid != os.getuid():
             # Another user's process: refuse before reading anything from it.

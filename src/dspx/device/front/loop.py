@@ -52,7 +52,8 @@ class Service:
     def __init__(self, socket_path: str, carveout_size: int = memory.CARVEOUT_SIZE,
                  ddr_pool_size: int = memory.DDR_POOL_SIZE, cores: int = 1, threads: int = 0,
                  parent_pid: int | None = None, log=None, job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S,
-                 conn_bytes: int | None = None):
+                 conn_bytes: int | None = None, idle_exit_s: float = 0.0):
+        """``idle_exit_s``: stop after that long with no connection (0: never)."""
         self.path = socket_path
         self.st = DeviceState(carveout_size, ddr_pool_size)
         self.st.limits = Limits.for_device(raise_fd_limit(), carveout_size, conn_bytes, ddr_pool_size)
@@ -61,6 +62,9 @@ class Service:
         self.parent_pid = parent_pid
         self.running = False
         self.stopping = False  # set once a signal or shutdown began: cores that end now are not restarted
+        self.stopped_by: int | None = None  # the signal that stopped the service
+        self.idle_exit_s = idle_exit_s
+        self.last_activity = time.monotonic()  # a connection open or accepted (Connections._accept)
         self.log = log or (lambda *a: None)
         self.poller = Poller()
         self.supervisor = CoreSupervisor(self, self.cores)
@@ -79,6 +83,7 @@ class Service:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         self.connections.listen(self.path)
+        self.path = self.connections.bound  # a shared directory's socket lives in its dspx-<uid> (transport)
         for c in self.cores:
             self.supervisor.start_core(c)
         if sandbox.enabled():
@@ -110,9 +115,12 @@ class Service:
                         self.log(f"internal error in housekeeping (device keeps serving): {e!r}")
                     next_check = now + 0.05
         finally:
+            if self.stopped_by is not None:
+                self.log(f"{signal.Signals(self.stopped_by).name}: stopping")
             self.shutdown()
 
-    def _on_signal(self, *_):
+    def _on_signal(self, signum, _frame):
+        self.stopped_by = signum
         self.running = False
         self.stopping = True
 
@@ -120,11 +128,16 @@ class Service:
         self.running = False
         self.stopping = True
         self.supervisor.stop()
-        self.connections.shutdown(self.path)
+        self.connections.shutdown()
 
     def _housekeeping(self, now: float) -> None:
         if self.parent_pid and os.getppid() != self.parent_pid:
             self.log("parent process is gone; stopping")
+            self.running = False
+        if self.st.conns:
+            self.last_activity = now
+        elif self.idle_exit_s and now - self.last_activity >= self.idle_exit_s:
+            self.log(f"no connection for {self.idle_exit_s:g} s; stopping (idle exit)")
             self.running = False
         self.scheduler.expire(now)
         self.supervisor.check(now)

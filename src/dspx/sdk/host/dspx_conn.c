@@ -4,6 +4,7 @@
  * memfds) and the printf ring.  Mirrors src/dspx/host/client.py. */
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -94,11 +95,27 @@ int dspx_default_timeout_ms(void) {
 
 /* ------------------------------------------------------------------ socket */
 
-int dspx_socket_path(const char *explicit_path, char *out, size_t cap) {
+/* A directory others may write to, sticky like /tmp: a socket named in it
+ * lives in its private subdirectory dspx-<uid> (transport.socket_path). */
+static int shared_dir(const char *dir) {
+    struct stat st;
+    return stat(dir, &st) == 0 && S_ISDIR(st.st_mode) && (st.st_mode & S_ISVTX) && (st.st_mode & 022);
+}
+
+int dspx_socket_path(const char *explicit_path, char *out, size_t cap, int *origin) {
     const char *p = explicit_path && *explicit_path ? explicit_path : getenv("DSPX_SOCKET");
     int n;
+    *origin = explicit_path && *explicit_path ? DSPX_SOCKET_NAMED : p && *p ? DSPX_SOCKET_ENV : DSPX_SOCKET_DEFAULT;
     if (p && *p) {
-        n = snprintf(out, cap, "%s", p);
+        const char *slash = strrchr(p, '/');
+        char dir[PATH_MAX];
+        int dn = slash ? snprintf(dir, sizeof dir, "%.*s", slash == p ? 1 : (int)(slash - p), p)
+                       : snprintf(dir, sizeof dir, ".");
+        if (dn > 0 && (size_t)dn < sizeof dir && shared_dir(dir))
+            n = slash ? snprintf(out, cap, "%.*s/dspx-%u/%s", (int)(slash - p), p, (unsigned)getuid(), slash + 1)
+                      : snprintf(out, cap, "dspx-%u/%s", (unsigned)getuid(), p);
+        else
+            n = snprintf(out, cap, "%s", p);
     } else {
         const char *base = getenv("XDG_RUNTIME_DIR");
         if (!base || !*base) base = "/tmp";
@@ -106,6 +123,63 @@ int dspx_socket_path(const char *explicit_path, char *out, size_t cap) {
     }
     if (n < 0 || (size_t)n >= cap) return -ENAMETOOLONG;
     return 0;
+}
+
+/* Would `dspx serve --socket PATH` serve there?  transport.serve_refusal's
+ * rules: each directory from / down to the socket's is ours or root's and
+ * nobody else may write to it (a sticky one only above the socket's own),
+ * the socket's own is ours, a missing one would be created, an existing
+ * file must be a socket.  A symlink on the way (which transport follows
+ * only where it is safe) counts as a refusal here, so a command this
+ * suggests is always one serve accepts.  0, or -1 with the reason. */
+static int serve_refusal(const char *path, char *why, size_t cap) {
+    char full[PATH_MAX], cwd[PATH_MAX];
+    int n = path[0] == '/' ? snprintf(full, sizeof full, "%s", path)
+                           : snprintf(full, sizeof full, "%s/%s", getcwd(cwd, sizeof cwd) ? cwd : ".", path);
+    if (n < 0 || (size_t)n >= sizeof full) return snprintf(why, cap, "the path is too long"), -1;
+    size_t dlen = (size_t)(strrchr(full, '/') - full); /* the socket's directory: full[0, dlen), "/" if 0 */
+    struct stat st;
+    uid_t uid = getuid();
+    for (size_t i = 0; i <= dlen; i++) {
+        if (i && full[i] != '/') continue;
+        char dir[PATH_MAX];
+        snprintf(dir, sizeof dir, "%.*s", i ? (int)i : 1, full); /* "/", "/a", "/a/b", ... */
+        int final = i == dlen;
+        if (lstat(dir, &st) != 0) break; /* missing: serve creates it and what is below */
+        const char *bad = NULL;
+        if (S_ISLNK(st.st_mode)) bad = "is a symlink";
+        else if (!S_ISDIR(st.st_mode)) bad = "is not a directory";
+        else if (st.st_uid != uid && (final || st.st_uid != 0)) bad = "is owned by another user";
+        else if ((st.st_mode & 022) && (final || !(st.st_mode & S_ISVTX))) bad = "can be written by others";
+        if (bad) return snprintf(why, cap, "%.200s %s", dir, bad), -1;
+    }
+    if (lstat(full, &st) == 0 && !S_ISSOCK(st.st_mode))
+        return snprintf(why, cap, "%.200s exists and is not a socket", full), -1;
+    return 0;
+}
+
+/* No device on c->path: what to run, each command one that works. */
+static int no_device(dspx_conn_t *c, int origin, int e) {
+    char why[300], alt[sizeof c->path], start[600];
+    const char *slash = strrchr(c->path, '/');
+    if (serve_refusal(c->path, why, sizeof why) == 0) {
+        snprintf(start, sizeof start, origin == DSPX_SOCKET_DEFAULT ? "start one with `dspx serve`"
+                 : "start one with `dspx serve --socket %s`", c->path);
+    } else {
+        const char *base = getenv("XDG_RUNTIME_DIR");
+        int n = snprintf(alt, sizeof alt, "%s/dspx-%u/%s", base && *base ? base : "/tmp", (unsigned)getuid(),
+                         slash ? slash + 1 : c->path);
+        char ignored[300];
+        if (n < 0 || (size_t)n >= sizeof alt || origin == DSPX_SOCKET_DEFAULT ||
+            serve_refusal(alt, ignored, sizeof ignored) != 0)
+            snprintf(alt, sizeof alt, "\"$(mktemp -d)/dsp0.sock\"");
+        snprintf(start, sizeof start, "a device cannot serve there (%s): start one with `dspx serve --socket %s` "
+                 "and connect to that socket", why, alt);
+    }
+    return dspx_set_open_error(-ECONNREFUSED, "no dspx device is listening on %s (%s): libdspx starts no device of "
+                               "its own — %s (%s)", c->path, strerror(e), start,
+                               origin == DSPX_SOCKET_NAMED ? "or pass the socket of a running one"
+                                                           : "or set DSPX_SOCKET to the socket of a running one");
 }
 
 int dspx_conn_open(dspx_conn_t *c, const char *path, int timeout_ms) {
@@ -117,7 +191,8 @@ int dspx_conn_open(dspx_conn_t *c, const char *path, int timeout_ms) {
     dspx_buf_init(&c->printf_buf);
     pthread_mutex_init(&c->lock, NULL);
     pthread_mutex_init(&c->pending_lock, NULL);
-    int rc = dspx_socket_path(path, c->path, sizeof c->path);
+    int origin;
+    int rc = dspx_socket_path(path, c->path, sizeof c->path, &origin);
     if (rc) return dspx_set_open_error(rc, "socket path too long (at most %zu bytes)", sizeof c->path - 1);
     int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
     if (fd < 0) return dspx_set_open_error(-errno, "socket(AF_UNIX, SOCK_SEQPACKET): %s", strerror(errno));
@@ -128,12 +203,7 @@ int dspx_conn_open(dspx_conn_t *c, const char *path, int timeout_ms) {
     if (connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
         int e = errno;
         close(fd);
-        if (e == ENOENT || e == ECONNREFUSED)
-            return dspx_set_open_error(-ECONNREFUSED,
-                                       "no dspx device is listening on %s (%s): libdspx starts no device of "
-                                       "its own — start one with `dspx serve --socket %s` (or set DSPX_SOCKET "
-                                       "to the socket of a running one)",
-                                       c->path, strerror(e), c->path);
+        if (e == ENOENT || e == ECONNREFUSED) return no_device(c, origin, e);
         return dspx_set_open_error(-e, "cannot connect to device socket %s: %s", c->path, strerror(e));
     }
     struct timeval tv = {c->timeout_ms / 1000, (c->timeout_ms % 1000) * 1000};

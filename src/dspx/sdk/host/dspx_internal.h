@@ -76,7 +76,11 @@ int dspx_set_open_error(int rc, const char *fmt, ...) __attribute__((format(prin
 
 /* connection */
 int dspx_default_timeout_ms(void);
-int dspx_socket_path(const char *explicit_path, char *out, size_t cap);
+/* Where the socket is: the path passed, else $DSPX_SOCKET, else the per-user
+ * default; a name in a shared directory (sticky, like /tmp) lives in its
+ * dspx-<uid> subdirectory, as transport.socket_path places it. */
+enum { DSPX_SOCKET_NAMED, DSPX_SOCKET_ENV, DSPX_SOCKET_DEFAULT };
+int dspx_socket_path(const char *explicit_path, char *out, size_t cap, int *origin);
 int dspx_conn_open(dspx_conn_t *c, const char *path, int timeout_ms);
 /* PING + major version check, then the printf ring (printf_size 0: none) */
 int dspx_conn_handshake(dspx_conn_t *c, size_t printf_size);

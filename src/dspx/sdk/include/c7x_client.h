@@ -2,8 +2,8 @@
  *
  * One c7x_client_t is one connection to a device listening on an AF_UNIX
  * SOCK_SEQPACKET socket ($DSPX_SOCKET, else ${XDG_RUNTIME_DIR:-/tmp}/dspx-<uid>/dsp0.sock).
- * libdspx starts no device of its own: run `dspx serve` (or let a Python host
- * start one) first.
+ * libdspx starts no device of its own: run `dspx serve`, or any `dspx` command
+ * (it starts the per-user background device, docs/device.md), first.
  *
  * Every function returns 0 on success or a negative errno value; the
  * device's status (DSPX_STATUS_*) and the device's text for the failure
