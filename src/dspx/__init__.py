@@ -1,7 +1,7 @@
 """dspx — offload compute from a Linux host to a DSP (simulated on x86).
 
     import dspx
-    with dspx.Client() as dev:          # starts a private simulated device if none runs
+    with dspx.Client() as dev:          # the per-user background device, started on first use
         print(dev.ping())
     vm = dspx.VirtualMachine("build/resnet18")   # a module compiled by `dspx compile`
     out = vm["main"](x)
