@@ -234,10 +234,8 @@ class DeviceLLM:
             self.host_kv = [self.client.kv_view(off, self.kv_shape, self.kv_dtype).copy() for off in self.kv_offsets]
             self.kv_on_host = True
 
-    def prefill(self, ids: Sequence[int], start: int = 0, on_logits=None) -> np.ndarray:
-        """Run ``ids`` at positions ``start…``; returns the last token's logits (a copy).
-        ``on_logits(rows)``, if given, sees each chunk's logits (tokens × vocab, a view
-        valid during the call): serve-llm's embeddings pool them."""
+    def prefill(self, ids: Sequence[int], start: int = 0) -> np.ndarray:
+        """Run ``ids`` at positions ``start…``; returns the last token's logits (a copy)."""
         ids = [int(i) for i in ids]
         t0, before = (trace.clock(), self.traffic.to_json()) if trace.on else (0, None)
         try:
@@ -256,8 +254,6 @@ class DeviceLLM:
                 r, t = self._infer("prefill", [idarr, pos], True)
                 logits = self.client.output_view(r.descs[0])
                 last = logits[0, len(part) - 1].copy()
-                if on_logits is not None:
-                    on_logits(logits[0, :len(part)])
                 t.logits_bytes = last.nbytes
                 self._account(t)
             return last

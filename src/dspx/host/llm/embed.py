@@ -5,7 +5,9 @@ The device entries return logits, not hidden states.  The LM head is linear
 (``logits_t = W h_t``, W the vocab × dim head, no bias) and W has full column
 rank (vocab 49,152 ≫ dim 576), so the hidden states are exactly the
 least-squares solution of the logits; and since the mean is linear too, the
-mean hidden state is the solution for the mean logits row.  The host reads W
+mean hidden state is the solution for the mean logits row.  Every token's
+logits are needed, and the prefill entry computes only the last row's, so an
+input runs as one decode step per token (as long as generating that many).  The host reads W
 from the GGUF it already reads the tokenizer from (the same Q8_0 blocks the
 compiler repacked for the device), so no extra device entry is compiled.
 """
@@ -56,12 +58,11 @@ class Embedder:
         return np.linalg.solve(gram, rhs)
 
     def embed(self, llm: DeviceLLM, ids: Sequence[int]) -> np.ndarray:
-        """One prefill of ``ids`` from position 0 (it overwrites the KV cache's first
-        rows); returns the unit-length mean hidden state (float32, the model's dim)."""
+        """The unit-length mean hidden state of ``ids`` (float32, the model's dim).  One
+        decode step per token from position 0 (it overwrites the KV cache's first rows):
+        the prefill entry computes only its last row's logits, a decode step its one row."""
         total = np.zeros(llm.vocab, np.float64)
-
-        def add(rows: np.ndarray) -> None:
-            total[:] += rows.sum(axis=0, dtype=np.float64)
-        llm.prefill(ids, 0, on_logits=add)
+        for pos, token in enumerate(ids):
+            total += llm.decode(int(token), pos)
         h = self.hidden(total / len(ids))
         return (h / np.linalg.norm(h)).astype(np.float32)
