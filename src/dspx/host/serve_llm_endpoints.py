@@ -220,9 +220,8 @@ class RequestLog:
         finally:
             tokens = state.get("tokens")
             client = scope.get("client") or ("-", 0)
-            request_log.info("%s %s %s %s %s %s %.3f s", client[0], scope["method"], scope["path"], status[0],
-                             f"{tokens[0]}+{tokens[1]}" if tokens else "-", "tokens" if tokens else "",
-                             time.perf_counter() - t0)
+            request_log.info("%s %s %s %s %s %.3f s", client[0], scope["method"], scope["path"], status[0],
+                             f"{tokens[0]}+{tokens[1]} tokens" if tokens else "-", time.perf_counter() - t0)
 
 
 def _token_list(v, vocab: int, name: str) -> list[int]:
