@@ -428,12 +428,14 @@ def test_every_request_gets_a_log_line(client, caplog):
 
     with caplog.at_level(logging.INFO, logger="dspx.serve_llm.requests"):
         client.completions.create(model="x", prompt=RAW, temperature=0, max_tokens=2)
+        list(client.completions.create(model="x", prompt=RAW, temperature=0, max_tokens=3, stream=True))
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="x", messages=[])
     lines = [r.getMessage() for r in caplog.records if r.name == "dspx.serve_llm.requests"]
-    assert len(lines) == 2, lines
+    assert len(lines) == 3, lines
     assert " POST /v1/completions 200 5+2 tokens " in lines[0] and lines[0].endswith(" s")
-    assert " POST /v1/chat/completions 400 - " in lines[1]
+    assert " POST /v1/completions 200 5+3 tokens " in lines[1]  # a stream's line comes at its end
+    assert " POST /v1/chat/completions 400 - " in lines[2]
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
