@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -356,3 +357,164 @@ def test_prompt_and_message_spellings(client, greedy, service):
         r = client.chat.completions.create(model="x", messages=[{"role": role, "content": "Answer in French."},
                                                                 *MESSAGES], temperature=0, max_tokens=16)
         assert r.choices[0].message.content == want, role
+
+
+# ---- llama-server's surface (issue 30) --------------------------------------------------------------------------
+def _post_json(server, path: str, body: dict) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(server.url.removesuffix("/v1") + path, json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _get_text(server, path: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(server.url.removesuffix("/v1") + path, timeout=30) as r:
+        return r.read().decode()
+
+
+def test_tokenize_and_detokenize_in_llama_servers_shapes(server):
+    status, body = _post_json(server, "/tokenize", {"content": RAW, "add_special": False})
+    assert status == 200 and len(body["tokens"]) == 5  # the prompt_tokens the usage test counts
+    _, pieces = _post_json(server, "/tokenize", {"content": RAW, "with_pieces": True})
+    assert [p["id"] for p in pieces["tokens"]] == body["tokens"]
+    assert "".join(p["piece"] for p in pieces["tokens"]) == RAW
+    assert _post_json(server, "/detokenize", {"tokens": body["tokens"]}) == (200, {"content": RAW})
+    status, err = _post_json(server, "/detokenize", {"tokens": [10**9]})
+    assert status == 400 and "outside this model's vocabulary" in err["error"]["message"]
+
+
+def _metrics(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: s.value for fam in text_string_to_metric_families(_get_text(server, "/metrics"))
+            for s in fam.samples}
+
+
+def test_metrics_count_tokens_in_prometheus_text_with_llama_servers_names(client, server):
+    before = _metrics(server)
+    r = client.completions.create(model="x", prompt="Once upon a time", temperature=0, max_tokens=3)
+    after = _metrics(server)
+    assert r.usage.completion_tokens == 3
+    assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 3
+    prompt = after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"]
+    assert 1 <= prompt <= r.usage.prompt_tokens  # a cached prefix is not run again
+    assert after["llamacpp:n_decode_total"] - before["llamacpp:n_decode_total"] == 1 + 2  # one prefill chunk, 2 decodes
+    assert after["llamacpp:requests_processing"] == 0 and after["llamacpp:requests_deferred"] == 0
+    assert after["llamacpp:prompt_seconds_total"] > before["llamacpp:prompt_seconds_total"]
+    assert 0 < after["llamacpp:kv_cache_usage_ratio"] <= 1
+
+
+def test_props_and_slots(server, service):
+    import json
+
+    props = json.loads(_get_text(server, "/props"))
+    assert props["default_generation_settings"]["n_ctx"] == 256 and props["total_slots"] == 1
+    assert "<|im_start|>" in props["chat_template"] and props["eos_token"] == "<|im_end|>"
+    slots = json.loads(_get_text(server, "/slots"))
+    assert [(s["id"], s["n_ctx"], s["is_processing"]) for s in slots] == [(0, 256, False)]
+
+
+def test_every_request_gets_a_log_line(client, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="dspx.serve_llm.requests"):
+        client.completions.create(model="x", prompt=RAW, temperature=0, max_tokens=2)
+        list(client.completions.create(model="x", prompt=RAW, temperature=0, max_tokens=3, stream=True))
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="x", messages=[])
+    lines = [r.getMessage() for r in caplog.records if r.name == "dspx.serve_llm.requests"]
+    assert len(lines) == 3, lines
+    assert " POST /v1/completions 200 5+2 tokens " in lines[0] and lines[0].endswith(" s")
+    assert " POST /v1/completions 200 5+3 tokens " in lines[1]  # a stream's line comes at its end
+    assert " POST /v1/chat/completions 400 - " in lines[2]
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    m = z.max()
+    return z - m - np.log(np.sum(np.exp(z - m)))
+
+
+def test_logprobs_are_the_log_softmax_of_the_models_logits(client, service):
+    r = client.chat.completions.create(model="x", messages=MESSAGES, temperature=0, max_tokens=3, logprobs=True,
+                                       top_logprobs=3)
+    got = r.choices[0].logprobs.content
+    # the same steps on the device, by hand: prefill, then one decode per token
+    g, llm = service.gen, service.gen.llm
+    ids = g.tok.encode_chat(MESSAGES)
+    logits = [llm.prefill(ids, 0)]
+    chosen = [int(np.argmax(logits[0]))]
+    for i in range(2):
+        logits.append(llm.decode(chosen[-1], len(ids) + i))
+        chosen.append(int(np.argmax(logits[-1])))
+    g.cached = []  # the cache now holds this by-hand run
+    assert len(got) == 3
+    for entry, z, tok in zip(got, logits, chosen):
+        lp = _log_softmax(z)
+        assert entry.token == g.tok.decode([tok]) and entry.bytes == list(g.tok.decode([tok]).encode())
+        assert entry.logprob == pytest.approx(lp[tok], abs=1e-4)
+        top = np.argsort(-lp)[:3]
+        assert [t.token for t in entry.top_logprobs] == [g.tok.decode([int(i)]) for i in top]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(lp[top], abs=1e-4)
+    # streamed: the same entries, spread over the chunks
+    s = client.chat.completions.create(model="x", messages=MESSAGES, temperature=0, max_tokens=3, logprobs=True,
+                                       top_logprobs=3, stream=True)
+    streamed = [e for c in s if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in got]
+    # completions: OpenAI's legacy shape, logprobs=N alternatives
+    c = client.completions.create(model="x", prompt=RAW, temperature=0, max_tokens=2, logprobs=2).choices[0]
+    assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == 2 == len(c.logprobs.top_logprobs)
+    assert "".join(c.logprobs.tokens) == c.text and c.logprobs.text_offset == [0, len(c.logprobs.tokens[0])]
+    assert all(len(t) == 2 and max(t.values()) >= lp for t, lp in zip(c.logprobs.top_logprobs,
+                                                                      c.logprobs.token_logprobs))
+
+
+def test_unsupported_fields_get_a_400_naming_them(client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="x", messages=MESSAGES, tools=tools)
+    assert e.value.param == "tools" and "unsupported field 'tools'" in e.value.message
+    assert e.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="x", messages=MESSAGES, response_format={"type": "json_object"},
+                                       extra_body={"min_p": 0.1})
+    assert "'response_format', 'min_p'" in e.value.message
+    with pytest.raises(openai.BadRequestError, match="'suffix'"):
+        client.completions.create(model="x", prompt=RAW, suffix="!")
+    # values that ask for nothing are accepted, as is null ("not given")
+    r = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=1, response_format={"type": "text"},
+                                       presence_penalty=0, extra_body={"tools": None})
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_embeddings_are_the_mean_pooled_final_hidden_state(client, server, service):
+    """Against the numpy reference Llama's own final-norm hidden states (its LM head set to the identity)."""
+    from llm_reference import ReferenceLlama, default_gguf_path, load_gguf
+
+    texts = ["The capital of France is Paris.", "Dragons"]
+    r = client.embeddings.create(model="x", input=texts)  # the openai client asks for base64 and decodes it
+    assert [d.index for d in r.data] == [0, 1] and r.object == "list"
+    ids = [service.gen.tok.encode(t) for t in texts]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+    cfg, w, reader = load_gguf(default_gguf_path())
+    ref = ReferenceLlama(loaded=(cfg, w, reader), max_seq=64)
+    ref.lm_head = np.eye(cfg.dim, dtype=np.float32)  # "logits" = the hidden state after the output norm
+    for d, i in zip(r.data, ids):
+        want = ref.prefill(i).mean(axis=0)
+        want /= np.linalg.norm(want)
+        got = np.asarray(d.embedding)
+        assert got.shape == (576,) and np.linalg.norm(got) == pytest.approx(1, abs=1e-5)
+        assert float(got @ want) > 0.9999 and np.abs(got - want).max() < 2e-3
+    status, floats = _post_json(server, "/v1/embeddings", {"input": ids[1], "encoding_format": "float"})
+    assert status == 200 and np.allclose(floats["data"][0]["embedding"], r.data[1].embedding, atol=1e-6)
+    status, err = _post_json(server, "/v1/embeddings", {"input": "x", "dimensions": 8})
+    assert status == 400 and err["error"]["param"] == "dimensions"

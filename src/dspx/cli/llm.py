@@ -332,13 +332,14 @@ def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, cost_model, as_json)
 @click.option("--socket", default=None, envvar="DSPX_SOCKET")
 def serve_llm(host, port, api_key, model_dir, gguf, context, kv_dtype, max_queue, max_body, header_timeout,
               idle_timeout, max_connections, socket):
-    """OpenAI-compatible HTTP API (/v1/models, /v1/chat/completions, /v1/completions) for the device LLM."""
+    """OpenAI-compatible HTTP API (/v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings) and
+    llama-server's /health, /metrics, /tokenize, /detokenize, /props, /slots for the device LLM."""
     import ipaddress
     import logging
 
     from ..errors import DspxError
 
-    for mod in ("fastapi", "uvicorn", "sse_starlette"):
+    for mod in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client"):
         try:
             __import__(mod)
         except ImportError:
@@ -351,9 +352,14 @@ def serve_llm(host, port, api_key, model_dir, gguf, context, kv_dtype, max_queue
     if not loopback and api_key is None:
         logging.getLogger("dspx").warning("serve-llm listens on %s without --api-key: anyone who can reach "
                                           "it can use the device", host)
-    click.echo(f"serving the device LLM on http://{host}:{port}/v1 (OpenAI API"
-               f"{', API key required' if api_key else ''}); Ctrl-C stops", err=True)
     limits = server.Limits(max_body=max_body, header_timeout=header_timeout, idle_timeout=idle_timeout,
                            max_connections=max_connections)
+
+    def loading(url):
+        click.echo(f"loading the model; {url}/health answers 503 until it is ready …", err=True)
+
+    def ready(url):  # printed only once requests are served
+        click.echo(f"serving the device LLM on {url}/v1 (OpenAI API, llama-server's /health /metrics /tokenize "
+                   f"/detokenize /props /slots{', API key required' if api_key else ''}); Ctrl-C stops", err=True)
     server.serve_llm(host, port, api_key, **_model_args(model_dir, gguf, socket, context, kv_dtype),
-                     max_queue=max_queue, limits=limits, log_level="warning")
+                     max_queue=max_queue, limits=limits, log_level="warning", on_loading=loading, on_ready=ready)

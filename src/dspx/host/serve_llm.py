@@ -10,7 +10,16 @@ subset llama-server and OpenAI clients use):
   ``max_tokens`` (or ``max_completion_tokens``), ``stop``, ``seed``, and
   llama-server's ``top_k`` / ``repeat_penalty``; ``usage`` counts (and
   ``stream_options.include_usage``);
-- errors as OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+- errors as OpenAI's ``{"error": {"message", "type", "param", "code"}}``;
+- llama-server's ``/health`` (503 ``{"status": "loading"}`` until the model is
+  loaded, then 200), ``/tokenize``, ``/detokenize``, ``/v1/embeddings``,
+  ``/props``, ``/slots``, ``/metrics``, ``logprobs``, a 400 naming any field
+  not implemented, and a log line per request (``serve_llm_endpoints``).
+
+Start-up (``serve_llm``): the package and tokenizer are read and the port is
+bound before anything loads, so a bad ``--model`` or a port in use is one
+error at once; the model then loads while the port answers 503, and
+``on_ready`` is called (the CLI's "serving" line) when it answers requests.
 
 One device, one KV cache: requests run one at a time, in arrival order (a
 single worker thread takes them FIFO), and at most ``max_queue`` wait; more
@@ -174,7 +183,8 @@ def sampling_params(body: dict) -> dict:
 class LLMService:
     """The device side of the server: one Generator, one worker thread (FIFO)."""
 
-    def __init__(self, generator: "Generator", model_name: str = "smollm2-135m-instruct", max_queue: int = 16):
+    def __init__(self, generator: "Generator", model_name: str = "smollm2-135m-instruct", max_queue: int = 16,
+                 loaded: bool = True):
         self.gen = generator
         self.model = model_name
         self.created = int(time.time())
@@ -185,6 +195,16 @@ class LLMService:
         self.prep = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspx-llm-prep")
         self.waiting = 0  # requests submitted and not finished
         self._lock = threading.Lock()
+        from .serve_llm_endpoints import Stats
+        self.stats = Stats()
+        self.ready = threading.Event()  # the model is loaded (until then: 503 "Loading model")
+        if loaded:
+            self.ready.set()
+
+    def load(self) -> None:
+        """Load the model on the device (compiling it the first time); then requests are served."""
+        self.gen.llm
+        self.ready.set()
 
     def _admit(self) -> None:
         with self._lock:
@@ -324,13 +344,17 @@ async def _disconnected(request) -> None:
 
 def create_app(service: LLMService, api_key: str | None = None, limits: Limits = Limits()):
     from fastapi import FastAPI, Request
-    from fastapi.responses import Response
+    from fastapi.responses import JSONResponse, Response
     from sse_starlette.sse import EventSourceResponse
 
     from .llm import ContextFullError
+    from .serve_llm_endpoints import (LoadingGate, Logprobs, RequestLog, add_routes, check_fields, finished,
+                                      logprob_request)
 
     app = FastAPI(title="dspx serve-llm", docs_url=None, redoc_url=None)
     _error_handlers(app)
+    app.add_middleware(LoadingGate, ready=service.ready)
+    app.add_middleware(RequestLog)  # added last: outermost, so it logs the gate's 503s too
 
     def authorize(request: Request) -> None:
         if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
@@ -345,11 +369,16 @@ def create_app(service: LLMService, api_key: str | None = None, limits: Limits =
 
     @app.get("/health")
     async def health():
+        if not service.ready.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503)  # llama-server's answer while loading
         return {"status": "ok", "waiting": service.waiting}
+
+    add_routes(app, service, authorize, lambda request: _read_body(request, limits))
 
     def prepare(raw: bytes, chat: bool):
         """Parse, validate and tokenize (CPU-heavy for big bodies: runs on the prep thread)."""
         body = parse_json(raw)
+        check_fields(body, chat)
         prompt = _prompt(body, chat)
         params = sampling_params(body)
         return body, params, service.encode(prompt, chat)
@@ -366,6 +395,10 @@ def create_app(service: LLMService, api_key: str | None = None, limits: Limits =
         created = int(time.time())
         base = {"id": rid, "created": created, "model": body.get("model") or service.model}
         cancelled = threading.Event()
+        top = logprob_request(body, chat)
+        logprobs = None if top is None else Logprobs(service.gen.tok, top, service.gen.eos_id)
+        if logprobs is not None:
+            params = {**params, "on_logits": logprobs}
 
         if not stream:
             fut = service.submit(service.run, ids, params, None, cancelled.is_set)
@@ -387,24 +420,29 @@ def create_app(service: LLMService, api_key: str | None = None, limits: Limits =
                 watcher.cancel()
             if res is None or cancelled.is_set():
                 return Response(status_code=499)  # nginx's "client closed request": no one reads it
+            usage = _usage(res)
+            finished(service, request, res, usage["completion_tokens"])
+            lp = None if logprobs is None else logprobs.shape(chat, logprobs.take())
             choice = ({"index": 0, "message": {"role": "assistant", "content": res.text},
-                       "logprobs": None, "finish_reason": FINISH[res.finish_reason]} if chat else
-                      {"index": 0, "text": res.text, "logprobs": None, "finish_reason": FINISH[res.finish_reason]})
-            return {**base, "object": obj, "choices": [choice], "usage": _usage(res)}
+                       "logprobs": lp, "finish_reason": FINISH[res.finish_reason]} if chat else
+                      {"index": 0, "text": res.text, "logprobs": lp, "finish_reason": FINISH[res.finish_reason]})
+            return {**base, "object": obj, "choices": [choice], "usage": usage}
 
         queue: asyncio.Queue = asyncio.Queue()
 
-        def on_piece(piece: str) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, ("piece", piece))
+        def on_piece(piece: str) -> None:  # on the generating thread: the logprobs of the tokens up to this piece
+            taken = None if logprobs is None else logprobs.take()
+            loop.call_soon_threadsafe(queue.put_nowait, ("piece", (piece, taken)))
 
         fut = service.submit(service.run, ids, params, on_piece, cancelled.is_set)
         fut.add_done_callback(lambda f: loop.call_soon_threadsafe(queue.put_nowait, ("done", f)))
         cobj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: Any, finish=None, **extra) -> str:
-            c = ({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish} if chat else
-                 {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish})
-            return json.dumps({**base, "object": cobj, "choices": [c], **extra})
+        def chunk(delta: Any, finish=None, entries=None) -> str:
+            lp = None if not entries else logprobs.shape(chat, entries)
+            c = ({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish} if chat else
+                 {"index": 0, "text": delta, "logprobs": lp, "finish_reason": finish})
+            return json.dumps({**base, "object": cobj, "choices": [c]})
 
         async def events():
             try:
@@ -413,7 +451,8 @@ def create_app(service: LLMService, api_key: str | None = None, limits: Limits =
                 while True:
                     kind, val = await queue.get()
                     if kind == "piece":
-                        yield {"data": chunk({"content": val} if chat else val)}
+                        piece, entries = val
+                        yield {"data": chunk({"content": piece} if chat else piece, entries=entries)}
                         continue
                     try:
                         res = val.result()
@@ -423,9 +462,12 @@ def create_app(service: LLMService, api_key: str | None = None, limits: Limits =
                     except Exception as e:  # noqa: BLE001 - the stream has begun: report in-band
                         yield {"data": json.dumps(APIError(500, f"{type(e).__name__}: {e}", "server_error").body())}
                         break
-                    yield {"data": chunk({} if chat else "", FINISH[res.finish_reason])}
+                    usage = _usage(res)
+                    finished(service, request, res, usage["completion_tokens"])
+                    rest = None if logprobs is None else logprobs.take()
+                    yield {"data": chunk({} if chat else "", FINISH[res.finish_reason], rest)}
                     if include_usage:
-                        yield {"data": json.dumps({**base, "object": cobj, "choices": [], "usage": _usage(res)})}
+                        yield {"data": json.dumps({**base, "object": cobj, "choices": [], "usage": usage})}
                     break
                 yield {"data": "[DONE]"}
             finally:
@@ -525,20 +567,89 @@ def check_fd_room(max_connections: int) -> None:
                         f"or raise `ulimit -n`")
 
 
+def bind(host: str, port: int):
+    """A listening socket on host:port, or one error line (before any model loads)."""
+    import errno
+    import socket as socketlib
+
+    from ..errors import DspxError
+
+    family = socketlib.AF_INET6 if ":" in host else socketlib.AF_INET  # as uvicorn chooses
+    sock = socketlib.socket(family, socketlib.SOCK_STREAM)
+    try:
+        sock.setsockopt(socketlib.SOL_SOCKET, socketlib.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no conflict
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        hint = {errno.EADDRINUSE: ": another server listens there; stop it or choose another --port",
+                errno.EACCES: ": ports below 1024 need privileges; choose another --port",
+                errno.EADDRNOTAVAIL: ": this host has no such address (--host)"}.get(e.errno, "")
+        raise DspxError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+    except (OverflowError, socketlib.gaierror) as e:
+        sock.close()
+        raise DspxError(f"cannot listen on {host}:{port}: {e}") from None
+    return sock
+
+
+def _log_requests() -> None:
+    """The request log lines on stderr (llama-server logs every request), unless logging is set up already."""
+    import logging
+
+    from .serve_llm_endpoints import request_log
+
+    if not request_log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        request_log.addHandler(handler)
+        request_log.setLevel(logging.INFO)
+        request_log.propagate = False
+
+
 def serve_llm(host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None, *, model_dir=None, gguf=None,
               socket: str | None = None, context: int = 256, kv_dtype: str = "float32", max_queue: int = 16,
-              limits: Limits = Limits(), log_level: str = "info") -> None:
-    """Load the model on the device and serve until interrupted."""
+              limits: Limits = Limits(), log_level: str = "info", on_loading=None, on_ready=None) -> None:
+    """Serve until interrupted: check the model and bind the port first (each a DspxError at
+    once), then ``on_loading(url)`` and load the model while /health answers 503;
+    ``on_ready(url)`` once it serves."""
     import uvicorn
 
     from .llm import Generator
 
+    # reads the package's metadata and the tokenizer; the device model loads later, in load()
     gen = Generator(model_dir=model_dir, gguf=gguf, socket=socket, progress=True, context=context, kv_dtype=kv_dtype)
-    gen.llm  # compile (first time) and load before accepting requests
-    svc = LLMService(gen, max_queue=max_queue)
+    check_fd_room(limits.max_connections)
+    sock = bind(host, port)
+    svc = LLMService(gen, max_queue=max_queue, loaded=False)
+    server = uvicorn.Server(uvicorn_config(create_app(svc, api_key, limits), host, port, limits, log_level))
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            svc.load()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread, after the server stops
+            failed.append(e)
+            server.should_exit = True
+            return
+        deadline = time.monotonic() + 60
+        while not server.started and not server.should_exit and time.monotonic() < deadline:
+            time.sleep(0.05)  # uvicorn accepts from the bound socket once its loop runs
+        if server.started and on_ready is not None:
+            on_ready(url)
+
+    where = sock.getsockname()
+    url = f"http://{f'[{where[0]}]' if ':' in where[0] else where[0]}:{where[1]}"
+    if on_loading is not None:
+        on_loading(url)
+    _log_requests()
+    loader = threading.Thread(target=load, name="dspx-llm-load", daemon=True)
+    loader.start()
     try:
-        check_fd_room(limits.max_connections)
-        uvicorn.Server(uvicorn_config(create_app(svc, api_key, limits), host, port, limits, log_level)).run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         svc.close()
-        gen.close()
+        if not loader.is_alive():  # interrupted while loading: the process exit ends the load
+            gen.close()
+    if failed:
+        raise failed[0]

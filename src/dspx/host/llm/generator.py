@@ -148,7 +148,8 @@ class Generator:
                result: GenerationResult | None = None, reuse_cache: bool = False,
                stop: str | Sequence[str] = (), repeat_penalty: float = 1.0, repeat_last_n: int = 64,
                max_time: float | None = None,
-               should_stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, str]]:
+               should_stop: Callable[[], bool] | None = None,
+               on_logits: Callable[[np.ndarray, int], None] | None = None) -> Iterator[tuple[int, str]]:
         """Yield ``(token_id, text_piece)`` as tokens are produced; fills ``result``.
 
         ``stop``: a string, or strings, that end the answer (not included in
@@ -156,7 +157,9 @@ class Generator:
         over the last ``repeat_last_n`` ids (prompt included), as llama.cpp.
         ``max_time``: seconds for prefill + decode.  ``should_stop()`` is
         polled between tokens (chat's Ctrl-C): the answer ends "interrupted"
-        with the KV cache consistent."""
+        with the KV cache consistent.  ``on_logits(logits, token)`` sees each step's
+        logits as the model gave them (before the repeat penalty) and the token drawn
+        (serve-llm's logprobs)."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         if repeat_penalty <= 0:
@@ -191,10 +194,13 @@ class Generator:
         full, shown = "", 0  # all decoded text; how much of it was yielded
         try:
             while True:
+                model_logits = logits
                 if repeat_penalty != 1.0:
                     logits = apply_repeat_penalty(logits, self.cached[-repeat_last_n:] if repeat_last_n else [],
                                                   repeat_penalty)
                 nxt = sample(logits, temperature, top_k, top_p, rng)
+                if on_logits is not None:
+                    on_logits(model_logits, nxt)
                 res.ids.append(nxt)
                 if nxt == self.eos_id:
                     res.finish_reason = "eos"
