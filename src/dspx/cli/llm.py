@@ -283,9 +283,12 @@ def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, cost_model, as_json)
               type=click.IntRange(min=1),
               help="open connections; a new one past this gets 503 and is closed, the open ones are kept "
                    "(must fit under `ulimit -n`)")
+@click.option("--parallel", default=1, show_default=True, type=click.IntRange(min=1),
+              help="KV slots: requests answered at once, their decode steps batched into one device call; "
+                   "each slot holds context/N tokens")
 @click.option("--socket", default=None, envvar="DSPX_SOCKET")
 def serve_llm(host, port, api_key, model_dir, gguf, context, kv_dtype, max_queue, max_body, header_timeout,
-              idle_timeout, max_connections, socket):
+              idle_timeout, max_connections, parallel, socket):
     """OpenAI-compatible HTTP API (/v1/models, /v1/chat/completions, /v1/completions) for the device LLM."""
     import ipaddress
     import logging
@@ -310,4 +313,4 @@ def serve_llm(host, port, api_key, model_dir, gguf, context, kv_dtype, max_queue
     limits = server.Limits(max_body=max_body, header_timeout=header_timeout, idle_timeout=idle_timeout,
                            max_connections=max_connections)
     server.serve_llm(host, port, api_key, **_model_args(model_dir, gguf, socket, context, kv_dtype),
-                     max_queue=max_queue, limits=limits, log_level="warning")
+                     max_queue=max_queue, limits=limits, log_level="warning", parallel=parallel)
