@@ -1,6 +1,6 @@
 """Aggregate decode throughput of `dspx serve-llm` with parallel KV slots.
 
-    .venv/bin/python benchmarks/llm_server.py [--rounds 3] [--max-tokens 48] [--kv-dtype float16]
+    .venv/bin/python benchmarks/llm_server.py [--rounds 3] [--max-tokens 64] [--kv-dtype float16] [--decode serial]
 
 Starts two devices and two `dspx serve-llm` servers on them, one with
 `--parallel 1` and one with `--parallel 4` (same compiled package), then in
@@ -8,8 +8,11 @@ each of --rounds rounds drives each server in turn with 1, 2 and 4
 concurrent chat clients (greedy, `max_tokens` each, client i always sends
 prompt i).  A measurement is the wall time from the first request to the last
 answer; aggregate tok/s = completion tokens of all clients / that time.
-Ratios are paired per round (the same round's `--parallel 1`, 1 client) and
-the table shows their medians; the goal is 4 clients on 4 slots >= 2.5x.
+Ratios are paired per round (against the same round's `--parallel 1` with 1
+client, and with as many clients) and the table shows their medians; the
+goal is 4 clients on 4 slots >= 2.5x.  Both servers decode a lone row on the
+same module (--decode, default serial: `DSPX_LLM_DECODE`), so the ratios
+measure the batching, not the load-time serial/parallel choice.
 
 Before the rounds, each server answers every prompt alone (one client): every
 answer of a round must equal that server's alone-answer for its prompt (the
@@ -56,10 +59,10 @@ def _free_port() -> int:
 class Server:
     """A device and `dspx serve-llm --parallel N` on it, as subprocesses."""
 
-    def __init__(self, parallel: int, kv_dtype: str, context: int, workdir: str):
+    def __init__(self, parallel: int, kv_dtype: str, context: int, workdir: str, decode: str):
         from dspx.transport import is_listening
 
-        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"), DSPX_LLM_DECODE=decode)
         self.parallel, self.port = parallel, _free_port()
         self.sock = os.path.join(workdir, f"dev{parallel}.sock")
         self.log = open(os.path.join(workdir, f"server{parallel}.log"), "w+b")
@@ -140,9 +143,11 @@ def concurrent_round(server: Server, clients: int, max_tokens: int) -> tuple[flo
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=48, help="completion tokens per client (greedy)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="completion tokens per client (greedy)")
     ap.add_argument("--kv-dtype", default="float16", choices=["float32", "float16", "int8"],
                     help="float16: 512 tokens, 128 per slot with 4 slots")
+    ap.add_argument("--decode", default="serial", choices=["serial", "parallel", "auto"],
+                    help="the one-row decode module of both servers (DSPX_LLM_DECODE)")
     a = ap.parse_args()
     from dspx.abi.llmpack import DEFAULT_CONTEXT
 
@@ -151,7 +156,7 @@ def main() -> int:
     servers = {}
     try:
         for n in SLOTS:  # one after the other: the first compiles the package into the cache
-            servers[n] = Server(n, a.kv_dtype, context, work)
+            servers[n] = Server(n, a.kv_dtype, context, work, a.decode)
         alone = {n: [servers[n].chat(p, a.max_tokens) for p in PROMPTS] for n in SLOTS}
         mismatches = [f"prompt {i}: --parallel 1 and 4 answer differently alone"
                       for i in range(len(PROMPTS)) if alone[1][i]["text"] != alone[4][i]["text"]]
@@ -174,22 +179,26 @@ def main() -> int:
     rows = []
     print(f"\nserve-llm aggregate decode throughput, SmolLM2-135M, {a.kv_dtype} KV (context {context}; "
           f"{context // 4} tokens per slot with 4), {a.max_tokens} greedy tokens per client, {a.rounds} rounds, "
-          f"load {os.getloadavg()[0]:.2f}")
-    print(f"{'slots':>5s} {'clients':>7s} {'tok/s (median)':>15s} {'min-max':>13s} {'x (1 slot, 1 client)':>21s}")
+          f"{a.decode} one-row decode, load {os.getloadavg()[0]:.2f}")
+    print(f"{'slots':>5s} {'clients':>7s} {'tok/s (median)':>15s} {'min-max':>13s} {'x 1 slot 1 client':>18s} "
+          f"{'x 1 slot same clients':>22s}")
     for n in SLOTS:
         for c in CLIENTS:
             v = tok_s[n, c]
             ratio = statistics.median(x / b for x, b in zip(v, base))
+            same = statistics.median(x / b for x, b in zip(v, tok_s[1, c]))
             rows.append({"slots": n, "clients": c, "tok_s": [round(x, 2) for x in v],
-                         "tok_s_median": round(statistics.median(v), 2), "ratio_median": round(ratio, 3)})
-            print(f"{n:5d} {c:7d} {statistics.median(v):15.1f} {min(v):6.1f}-{max(v):<6.1f} {ratio:21.2f}")
+                         "tok_s_median": round(statistics.median(v), 2), "ratio_median": round(ratio, 3),
+                         "ratio_same_clients_median": round(same, 3)})
+            print(f"{n:5d} {c:7d} {statistics.median(v):15.1f} {min(v):6.1f}-{max(v):<6.1f} {ratio:18.2f} "
+                  f"{same:22.2f}")
     goal = next(r["ratio_median"] for r in rows if r["slots"] == 4 and r["clients"] == 4)
     print(f"\n4 clients on 4 slots / 1 client on 1 slot: {goal:.2f}x (goal 2.5x); greedy answers equal "
           f"their alone-answers: {'yes' if not mismatches else 'NO'}")
     for m in mismatches:
         print("  " + m)
     path = write_json("llm_server.json", {
-        "kv_dtype": a.kv_dtype, "context": context, "max_tokens": a.max_tokens, "rounds": a.rounds,
+        "kv_dtype": a.kv_dtype, "decode": a.decode, "context": context, "max_tokens": a.max_tokens, "rounds": a.rounds,
         "load_avg_end": os.getloadavg(), "rows": rows, "goal_ratio": goal, "answers_equal": not mismatches,
         "mismatches": mismatches, "alone_answers": {str(n): [x["text"] for x in alone[n]] for n in SLOTS}})
     print(f"wrote {path}")
