@@ -42,6 +42,8 @@ def random_args(func, rng, rows: int, pos0: int = 0, kv_layout: str = "blocked")
         if bname == "pos":
             a = np.full(shape, -1, np.int64)
             a[0, :rows] = np.arange(pos0, pos0 + rows)
+        elif bname == "bases":  # one KV slot: every row's slot starts at cache position 0
+            a = np.zeros(shape, np.int64)
         elif bname == "ids":
             a = rng.integers(0, 1000, shape).astype(dt)
         elif dt.startswith("uint") or dt.startswith("int"):

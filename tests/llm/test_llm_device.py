@@ -83,14 +83,16 @@ def llm(model_dir, big_device):
 
 def test_seed_io_figures(meta, model_dir):
     pre, dec = meta["modules"]["prefill"], meta["modules"]["decode"]
-    assert [t["shape"] for t in pre["inputs"][:2]] == [[1, 64], [1, 64]]
-    assert pre["inputs"][0]["dtype"] == "int64" and len(pre["inputs"]) == 62
+    # ids, positions, bases (each row's KV slot: docs/llm-internals.md), then 60 KV tensors
+    assert [t["shape"] for t in pre["inputs"][:3]] == [[1, 64], [1, 64], [1, 64]]
+    assert pre["inputs"][0]["dtype"] == "int64" and len(pre["inputs"]) == 63
     assert pre["outputs"][0]["shape"] == [1, 64, 49152] and len(pre["outputs"]) == 61
-    assert all(t["shape"] == [1, 3, 256, 64] and t["dtype"] == "float32" for t in pre["inputs"][2:])
-    assert pre["io"]["input_bytes"] == 11_802_496
+    assert all(t["shape"] == [1, 3, 256, 64] and t["dtype"] == "float32" for t in pre["inputs"][3:])
+    # 3 x 512 (ids, positions, bases) + 60 x 196,608 (KV) + the 63-entry descriptor table (5,056)
+    assert pre["io"]["input_bytes"] == 3 * 512 + 60 * 196_608 + 5_056 == 11_803_072
     assert pre["io"]["output_bytes"] == 24_384_320
     assert pre["io_reserve"]["output_bytes"] == 12_583_040
-    assert dec["io"]["input_bytes"] == 11_801_600 and dec["io"]["output_bytes"] == 11_998_016
+    assert dec["io"]["input_bytes"] == 3 * 64 + 60 * 196_608 + 5_056 and dec["io"]["output_bytes"] == 11_998_016
     assert dec["io_reserve"]["output_bytes"] == 196_736
     assert meta["kv"]["total_bytes"] == 11_796_480 and meta["kv"]["count"] == 60
     assert meta["kv"]["total_bytes"] <= 12 << 20
@@ -122,8 +124,9 @@ def test_capacity_story_with_default_sizes(model_dir, meta, big_device):
         ids = np.zeros((1, 64), np.int64)
         pos = np.full((1, 64), -1, np.int64)
         pos[0, :3] = [0, 1, 2]
-        kv = [(2 + i, t["offset"], (1, 3, 256, 64), "float32") for i, t in enumerate(meta["kv"]["tensors"])]
-        r = c.infer(h, [ids, pos], mid, kv_resident=True, kv_inputs=kv)
+        bases = np.zeros((1, 64), np.int64)
+        kv = [(3 + i, t["offset"], (1, 3, 256, 64), "float32") for i, t in enumerate(meta["kv"]["tensors"])]
+        r = c.infer(h, [ids, pos, bases], mid, kv_resident=True, kv_inputs=kv)
         assert len(r.descs) == 1 and tuple(r.descs[0].shape) == (1, 64, 49152)
         # the first three KV rows were written in the KV region, the rest untouched. The "blocked"
         # layout (docs/llm.md): per KV head, blocks of 16 positions; K transposed inside a block
@@ -161,7 +164,7 @@ def test_logits_match_reference(llm, ref, tok):
     idarr[0, :n] = ids
     pos = np.full((1, 64), -1, np.int64)
     pos[0, :n] = np.arange(n)
-    r, _ = llm._infer("prefill", [idarr, pos], True)
+    r, _ = llm._infer("prefill", [idarr, pos, np.zeros((1, 64), np.int64)], True)  # bases 0: one slot
     out = llm.client.output_view(r.descs[0])[0]
     # only the last real row's logits are computed (the host reads no other); the rest are zero
     assert not out[:n - 1].any() and not out[n:].any()
@@ -256,7 +259,7 @@ def test_resident_equals_non_resident_and_moves_little(llm, tok):
     print(f"bytes moved per decoded token: resident {per_r:,.0f}, non-resident {per_n:,.0f} "
           f"(+ {res_r.traffic.logits_bytes // res_r.decode_tokens:,} bytes of logits read in both)")
     assert per_r <= 8 * 1024
-    assert per_r == 16 + 80 * 62  # ids + position, descriptor table
+    assert per_r == 24 + 80 * 63  # ids + position + base, descriptor table
     assert per_n >= 23_500_000     # 11,796,480 in + 11,796,480 out (+ ids, position, descriptors)
     # sync counters: a resident decode never syncs the staging buffer (KV region); staging is
     # attached (and grown) on first need, so take it only now

@@ -96,7 +96,7 @@ def test_f16_package_layout(f16_dir):
     kv = meta["kv"]
     assert meta["context"] == 512 and kv["dtype"] == "float16" and kv["shape"] == [1, 3, 512, 64]
     assert kv["total_bytes"] == 60 * 3 * 512 * 64 * 2 == 11_796_480 <= 12 << 20
-    assert all(t["dtype"] == "float16" for t in meta["modules"]["decode"]["inputs"][2:])
+    assert all(t["dtype"] == "float16" for t in meta["modules"]["decode"]["inputs"][3:])  # after ids, positions, bases
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -3,7 +3,10 @@
 
 A package is a directory: ``prefill.so`` and ``decode.so`` (two modules of
 the ordinary module format; optionally ``decode_parallel.so``, the same
-decode entry with multi-threaded GEMVs, chosen by timing at load), one ``weights.bin`` both take through
+decode entry with multi-threaded GEMVs, chosen by timing at load, and
+``decode_batch.so``, one decode step for up to ``BATCH_ROWS`` rows of
+different KV slots; every entry takes ids, positions and bases — each row's
+slot's first cache position — then the KV), one ``weights.bin`` all take through
 MODEL_LOAD, and ``metadata.json`` with ``format: dspx-llm/1``, the model's
 dimensions, the context and prefill chunk, the tokenizer's source, and the
 KV layout: ``2 × layers`` float32 tensors k0, v0, k1, v1, … packed 64-byte
@@ -22,9 +25,12 @@ METADATA_FILE = "metadata.json"
 PREFILL_FILE = "prefill.so"
 DECODE_FILE = "decode.so"
 DECODE_PARALLEL_FILE = "decode_parallel.so"  # the same entry with its GEMVs on all threads (optional)
+DECODE_BATCH_FILE = "decode_batch.so"  # one decode step for up to BATCH_ROWS slots (optional)
+BATCH_ROWS = 4  # decode rows per batched call (a step of more active slots takes several calls)
 WEIGHTS_FILE = "weights.bin"
 CONTEXT = 256  # tokens: the float32 KV of 30 layers fills the 12 MiB KV region
 CHUNK = 64     # prefill tokens per call
+KV_BLOCK = 16  # cache positions per KV block: a KV slot starts on a block
 # The longest context whose KV fits the 12 MiB KV region for SmolLM2-135M, per
 # KV dtype (int8 rows carry a float32 scale: 68 bytes per head and position).
 DEFAULT_CONTEXT = {"float32": 256, "float16": 512, "int8": 1024}

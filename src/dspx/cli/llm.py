@@ -329,11 +329,15 @@ def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, cost_model, as_json)
               type=click.IntRange(min=1),
               help="open connections; a new one past this gets 503 and is closed, the open ones are kept "
                    "(must fit under `ulimit -n`)")
+@click.option("--parallel", default=1, show_default=True, type=click.IntRange(min=1),
+              help="KV slots: requests answered at once, their decode steps batched into one device call; "
+                   "each slot holds context/N tokens")
 @click.option("--socket", default=None, envvar="DSPX_SOCKET")
 def serve_llm(host, port, api_key, model_dir, gguf, context, kv_dtype, max_queue, max_body, header_timeout,
-              idle_timeout, max_connections, socket):
+              idle_timeout, max_connections, parallel, socket):
     """OpenAI-compatible HTTP API (/v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings) and
-    llama-server's /health, /metrics, /tokenize, /detokenize, /props, /slots for the device LLM."""
+    llama-server's /health, /metrics, /tokenize, /detokenize, /props, /slots for the device LLM
+    (``--parallel N``: N requests at once on KV slots)."""
     import ipaddress
     import logging
 
@@ -362,4 +366,5 @@ def serve_llm(host, port, api_key, model_dir, gguf, context, kv_dtype, max_queue
         click.echo(f"serving the device LLM on {url}/v1 (OpenAI API, llama-server's /health /metrics /tokenize "
                    f"/detokenize /props /slots{', API key required' if api_key else ''}); Ctrl-C stops", err=True)
     server.serve_llm(host, port, api_key, **_model_args(model_dir, gguf, socket, context, kv_dtype),
-                     max_queue=max_queue, limits=limits, log_level="warning", on_loading=loading, on_ready=ready)
+                     max_queue=max_queue, limits=limits, log_level="warning", on_loading=loading, on_ready=ready,
+                     parallel=parallel)

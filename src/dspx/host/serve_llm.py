@@ -23,7 +23,9 @@ error at once; the model then loads while the port answers 503, and
 
 One device, one KV cache: requests run one at a time, in arrival order (a
 single worker thread takes them FIFO), and at most ``max_queue`` wait; more
-get 503 ``server_busy``.  A client that disconnects mid-stream stops its
+get 503 ``server_busy``.  With ``parallel`` N > 1 the KV cache is split into
+N slots and N requests run at once, their decode steps batched into one
+device call (``dspx.host.llm.batch``).  A client that disconnects mid-stream stops its
 answer at the next token.  Chat requests reuse the cached prefix of the
 previous request (a client resending a growing conversation prefills only
 the new turn).  The model name in a request is not checked: existing clients
@@ -51,6 +53,7 @@ import http
 import json
 import math
 import os
+import sys
 import threading
 import time
 import uuid
@@ -181,15 +184,18 @@ def sampling_params(body: dict) -> dict:
 
 
 class LLMService:
-    """The device side of the server: one Generator, one worker thread (FIFO)."""
+    """The device side of the server: one Generator and worker thread (FIFO), or with
+    ``parallel`` N KV slots, each a Generator, their decode steps batched."""
 
     def __init__(self, generator: "Generator", model_name: str = "smollm2-135m-instruct", max_queue: int = 16,
-                 loaded: bool = True):
+                 loaded: bool = True, parallel: int = 1):
         self.gen = generator
         self.model = model_name
         self.created = int(time.time())
         self.max_queue = max_queue
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspx-llm")
+        self.parallel = parallel
+        self.slots = None  # parallel > 1: KV slots, decode steps batched (dspx.host.llm.batch), made by load()
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="dspx-llm")
         # JSON parsing and tokenization (seconds for a MiB prompt), off the event loop; one thread,
         # since the GIL would make more no faster
         self.prep = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspx-llm-prep")
@@ -199,16 +205,20 @@ class LLMService:
         self.stats = Stats()
         self.ready = threading.Event()  # the model is loaded (until then: 503 "Loading model")
         if loaded:
-            self.ready.set()
+            self.load()
 
     def load(self) -> None:
-        """Load the model on the device (compiling it the first time); then requests are served."""
-        self.gen.llm
+        """Load the model on the device (compiling it the first time) and split its KV into
+        slots; then requests are served."""
+        llm = self.gen.llm
+        if self.parallel > 1:
+            from .llm.batch import SlotPool
+            self.slots = SlotPool(llm, self.gen.tok, self.parallel)
         self.ready.set()
 
     def _admit(self) -> None:
         with self._lock:
-            if self.waiting >= self.max_queue + 1:
+            if self.waiting >= self.max_queue + self.parallel:
                 raise APIError(503, f"server busy: {self.waiting} requests queued or running for one device "
                                     f"(at most {self.max_queue} wait); retry later", "server_error",
                                code="server_busy")
@@ -226,7 +236,7 @@ class LLMService:
 
     def encode(self, prompt, chat: bool) -> list[int]:
         """Token ids of a request, refused (before it queues) when they leave no room for an answer."""
-        ctx = self.gen.context
+        ctx = self.context
         ids = self.gen.encode(prompt, chat)
         if len(ids) >= ctx:
             raise APIError(400, f"the prompt is {len(ids)} tokens; this model's context holds {ctx} "
@@ -234,21 +244,31 @@ class LLMService:
                            code="context_length_exceeded")
         return ids
 
+    @property
+    def context(self) -> int:
+        """Tokens one request may use (prompt + answer): the context, or one KV slot's share of it."""
+        return self.slots.slot_tokens if self.slots is not None else self.gen.context
+
     def run(self, ids: list[int], params: dict, on_piece=None, cancelled=None):
-        """Generate on the worker thread; returns the GenerationResult."""
+        """Generate on a worker thread (on a free KV slot with --parallel); returns the GenerationResult."""
+        from contextlib import nullcontext
+
         from .llm import GenerationResult
 
         p = dict(params)
-        max_tokens = p.pop("max_tokens") or self.gen.context - len(ids) + 1
-        res = GenerationResult(len(ids))
-        for _, piece in self.gen.stream(ids, max_tokens, result=res, reuse_cache=True, should_stop=cancelled, **p):
-            if piece and on_piece is not None:
-                on_piece(piece)
+        with self.slots.acquire(ids) if self.slots is not None else nullcontext(self.gen) as gen:
+            max_tokens = p.pop("max_tokens") or gen.context - len(ids) + 1
+            res = GenerationResult(len(ids))
+            for _, piece in gen.stream(ids, max_tokens, result=res, reuse_cache=True, should_stop=cancelled, **p):
+                if piece and on_piece is not None:
+                    on_piece(piece)
         return res
 
     def close(self) -> None:
         self.prep.shutdown(wait=True, cancel_futures=True)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.slots is not None:
+            self.slots.close()
 
 
 def _usage(res) -> dict:
@@ -608,9 +628,11 @@ def _log_requests() -> None:
 
 def serve_llm(host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None, *, model_dir=None, gguf=None,
               socket: str | None = None, context: int = 256, kv_dtype: str = "float32", max_queue: int = 16,
-              limits: Limits = Limits(), log_level: str = "info", on_loading=None, on_ready=None) -> None:
+              limits: Limits = Limits(), log_level: str = "info", on_loading=None, on_ready=None,
+              parallel: int = 1) -> None:
     """Serve until interrupted: check the model and bind the port first (each a DspxError at
-    once), then ``on_loading(url)`` and load the model while /health answers 503;
+    once), then ``on_loading(url)`` and load the model while /health answers 503
+    (``parallel``: KV slots);
     ``on_ready(url)`` once it serves."""
     import uvicorn
 
@@ -620,7 +642,7 @@ def serve_llm(host: str = "127.0.0.1", port: int = 8080, api_key: str | None = N
     gen = Generator(model_dir=model_dir, gguf=gguf, socket=socket, progress=True, context=context, kv_dtype=kv_dtype)
     check_fd_room(limits.max_connections)
     sock = bind(host, port)
-    svc = LLMService(gen, max_queue=max_queue, loaded=False)
+    svc = LLMService(gen, max_queue=max_queue, loaded=False, parallel=parallel)
     server = uvicorn.Server(uvicorn_config(create_app(svc, api_key, limits), host, port, limits, log_level))
     failed: list[BaseException] = []
 
@@ -635,6 +657,8 @@ def serve_llm(host: str = "127.0.0.1", port: int = 8080, api_key: str | None = N
         while not server.started and not server.should_exit and time.monotonic() < deadline:
             time.sleep(0.05)  # uvicorn accepts from the bound socket once its loop runs
         if server.started and on_ready is not None:
+            print(f"{parallel} KV slot{'s' if parallel > 1 else ''} of {svc.context} tokens ({gen.llm.kv_dtype} KV, "
+                  f"context {gen.llm.context})", file=sys.stderr)
             on_ready(url)
 
     where = sock.getsockname()

@@ -153,6 +153,14 @@ def _processing(service) -> int:
     return min(service.waiting, _slots_total(service))
 
 
+def _slot_rows(service) -> list[dict]:
+    """Per KV slot: id, tokens it holds, whether it answers, tokens cached (one row without --parallel)."""
+    if getattr(service, "slots", None) is not None:
+        return service.slots.info()
+    return [{"id": 0, "n_ctx": service.gen.context, "is_processing": service.waiting > 0,
+             "cached_tokens": len(service.gen.cached)}]
+
+
 def _collector(service):
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -170,10 +178,11 @@ def _collector(service):
                          s.tokens_predicted / s.predicted_seconds if s.predicted_seconds else 0.0)
             for name, doc, value in counters:
                 yield CounterMetricFamily(f"llamacpp:{name}", doc, value=value)
-            cached = len(gen.cached)
+            rows = _slot_rows(service)
+            cached = sum(r["cached_tokens"] for r in rows)
             gauges = [("prompt_tokens_seconds", "Average prompt throughput in tokens/s.", rates[0]),
                       ("predicted_tokens_seconds", "Average generation throughput in tokens/s.", rates[1]),
-                      ("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.", cached / gen.context),
+                      ("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.", cached / sum(r["n_ctx"] for r in rows)),
                       ("kv_cache_tokens", "KV-cache tokens.", cached),
                       ("requests_processing", "Number of requests processing.", _processing(service)),
                       ("requests_deferred", "Number of requests deferred.", service.waiting - _processing(service))]
@@ -300,12 +309,16 @@ def add_routes(app, service, authorize, read_body) -> None:
         return {"content": service.gen.tok.decode(ids)}
 
     def embed_all(inputs: list[list[int]]) -> list[np.ndarray]:
+        from contextlib import nullcontext
+
         if not embedder:
             embedder.append(Embedder(service.gen.llm.meta["gguf"]["path"]))
-        try:
-            return [embedder[0].embed(service.gen.llm, ids) for ids in inputs]
-        finally:
-            service.gen.cached = []  # the prefill overwrote the KV's first rows: no prefix to reuse
+        slots = getattr(service, "slots", None)
+        with slots.acquire([]) if slots is not None else nullcontext(service.gen) as gen:  # a KV slot of its own
+            try:
+                return [embedder[0].embed(gen.llm, ids) for ids in inputs]
+            finally:
+                gen.cached = []  # the decode steps overwrote the KV's first rows: no prefix to reuse
 
     @app.post("/v1/embeddings")
     @app.post("/embeddings")
@@ -335,7 +348,7 @@ def add_routes(app, service, authorize, read_body) -> None:
         gen = service.gen
         from .. import __version__
         return {"default_generation_settings": {
-                    "n_ctx": gen.context, "model": service.model,
+                    "n_ctx": service.context, "model": service.model,
                     "params": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repeat_penalty": 1.0,
                                "repeat_last_n": 64, "n_predict": -1, "seed": -1}},
                 "total_slots": _slots_total(service), "model_path": str(gen.llm.dir),
@@ -345,10 +358,8 @@ def add_routes(app, service, authorize, read_body) -> None:
     @app.get("/slots")
     async def slots(request: Request):
         authorize(request)
-        busy = _processing(service)
-        n = _slots_total(service)
-        return [{"id": i, "n_ctx": service.gen.context // n, "is_processing": i < busy,
-                 "n_past": len(service.gen.cached) if n == 1 else None} for i in range(n)]
+        return [{"id": r["id"], "n_ctx": r["n_ctx"], "is_processing": r["is_processing"],
+                 "n_past": r["cached_tokens"]} for r in _slot_rows(service)]
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -2,9 +2,14 @@
 
 ``compile_llm(gguf, outdir)`` writes
 
-- ``prefill.so``: ``ids (1,64) int64, positions (1,64) int64, k0, v0, …, k29,
-  v29 (1,3,256,64) float32, <weights>`` -> ``logits (1,64,49152), k0', v0', …``
-- ``decode.so``: the same with ``(1,1)`` ids/positions and ``(1,1,49152)`` logits
+- ``prefill.so``: ``ids (1,64) int64, positions (1,64) int64, bases (1,64)
+  int64, k0, v0, …, k29, v29 (1,3,256,64) float32, <weights>`` -> ``logits
+  (1,64,49152), k0', v0', …`` (a row's KV goes to cache position base +
+  position: ``bases`` places it in a slot of the KV, 0 with one slot)
+- ``decode.so`` (and ``decode_parallel.so``): the same with ``(1,1)``
+  ids/positions/bases and ``(1,1,49152)`` logits
+- ``decode_batch.so``: ``(1,4)`` rows, one decode token of up to 4 slots,
+  and every real row's logits
 - ``weights.bin``: ONE weights file both modules take (MODEL_LOAD once; both
   signatures carry its digest)
 - ``metadata.json``: both modules' io tables and ``io_reserve``, the KV

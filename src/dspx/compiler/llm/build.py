@@ -11,8 +11,8 @@ from pathlib import Path
 from dspx import cache
 from dspx.abi import llmpack
 from dspx.abi.layout import align, desc_region, side_bytes
-from dspx.abi.llmpack import (CHUNK, CONTEXT, DECODE_FILE, DECODE_PARALLEL_FILE, FORMAT, METADATA_FILE, PREFILL_FILE,
-                              WEIGHTS_FILE)
+from dspx.abi.llmpack import (BATCH_ROWS, CHUNK, CONTEXT, DECODE_BATCH_FILE, DECODE_FILE, DECODE_PARALLEL_FILE, FORMAT,
+                              METADATA_FILE, PREFILL_FILE, WEIGHTS_FILE)
 from dspx.compiler.module import (IO_META_NAME, SIGNATURE_NAME, Signature, TensorSpec, export_module,
                                   make_io_meta, write_metadata, write_weights)
 
@@ -46,7 +46,8 @@ def _signature(d: Dims, M: int, weights, digest) -> Signature:
     kv_in = []
     for i in range(d.n_layers):
         kv_in += [TensorSpec(f"k{i}", d.kv_shape, d.kv_dtype), TensorSpec(f"v{i}", d.kv_shape, d.kv_dtype)]
-    inputs = [TensorSpec("ids", (1, M), "int64"), TensorSpec("positions", (1, M), "int64")] + kv_in
+    inputs = [TensorSpec("ids", (1, M), "int64"), TensorSpec("positions", (1, M), "int64"),
+              TensorSpec("bases", (1, M), "int64")] + kv_in
     outputs = [TensorSpec("logits", (1, M, d.vocab), "float32")] + [
         TensorSpec(t.name + "_out", t.shape, t.dtype) for t in kv_in]
     return Signature(entry="main", inputs=inputs, outputs=outputs, kernel_imports=[], workspace_bytes=0,
@@ -58,7 +59,7 @@ def kv_resident_reserve(sig: Signature) -> dict:
     the KV region, but their descriptors still sit in input_buf) and only the
     first output (logits)."""
     n_in = len(sig.inputs)
-    return {"input_bytes": desc_region(n_in) + sum(align(t.nbytes) for t in sig.inputs[:2]),
+    return {"input_bytes": desc_region(n_in) + sum(align(t.nbytes) for t in sig.inputs[:3]),
             "output_bytes": side_bytes([sig.outputs[0].nbytes])}
 
 
@@ -80,8 +81,8 @@ def gguf_identity(path: Path) -> dict:
 def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, parallel_decode_gemv: bool = False,
                 context: int = CONTEXT, chunk: int = CHUNK, kv_dtype: str = "float32", target: str = LLM_TARGET,
                 kv_layout: str = "blocked", cost_model: str | None = None) -> dict:
-    """Compile a Llama GGUF into ``outdir`` (prefill.so, decode.so, weights.bin,
-    metadata.json); returns the metadata (plus ``"timings"``). ``target`` as
+    """Compile a Llama GGUF into ``outdir`` (prefill.so, decode.so,
+    decode_parallel.so, decode_batch.so, weights.bin, metadata.json); returns the metadata (plus ``"timings"``). ``target`` as
     ``dspx compile --target`` (default: this machine); ``kv_layout`` one of
     KV_LAYOUTS (the arrangement inside the KV tensors; both modules share it);
     ``cost_model`` (default ``$DSPX_COST_MODEL``): record the estimated prefill
@@ -112,9 +113,10 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     builds = [("prefill", chunk, PREFILL_FILE, True), ("decode", 1, DECODE_FILE, parallel_decode_gemv)]
     if not parallel_decode_gemv:
         builds.append(("decode_parallel", 1, DECODE_PARALLEL_FILE, True))
+    builds.append(("decode_batch", BATCH_ROWS, DECODE_BATCH_FILE, False))  # serve-llm --parallel's decode step
     for name, M, fname, parallel in builds:
         with prog.stage(f"build_{name}", f"build {name} (M={M}) for {target_dict['mcpu']}"):
-            mod = entry(d, M, weights, parallel)
+            mod = entry(d, M, weights, parallel, batch=name == "decode_batch")
             record: dict = {}
             with target:
                 mod = _llm_pipeline(target, record)(mod)
@@ -141,7 +143,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
         "tokenizer": {"source": "gguf", "gguf": str(model.path.resolve()),
                       "eos_id": int(model.metadata("tokenizer.ggml.eos_token_id", 2)),
                       "chat_template": "tokenizer.chat_template"},
-        "context": d.context, "prefill_chunk": d.chunk,
+        "context": d.context, "prefill_chunk": d.chunk, "batch_rows": BATCH_ROWS,
         "weights": {"file": WEIGHTS_FILE, "digest": digest, "count": len(weights),
                     "bytes": (outdir / WEIGHTS_FILE).stat().st_size,
                     "storage": "GGUF blocks repacked: Q4_1 linear layers (f16 d, f16 m, 4-bit q), "

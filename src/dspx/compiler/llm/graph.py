@@ -1,6 +1,8 @@
 """The Relax entry: ``main`` is one forward pass over M tokens, every
 operator a call of a TIR kernel (``tir``), the KV append in place on the
-KV inputs, which the entry returns as its KV outputs."""
+KV inputs, which the entry returns as its KV outputs.  Each row carries its
+position and its slot's base (the first cache position of the slot it
+belongs to: 0 with one slot), so one call can serve rows of several slots."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,23 +11,25 @@ from .sizing import Dims
 from .tir import kernels
 
 
-def entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv: bool):
-    """IRModule whose ``main`` is one forward pass over M tokens."""
+def entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv: bool, batch: bool = False):
+    """IRModule whose ``main`` is one forward pass over M tokens (``batch``:
+    M decode rows, each a GEMV of its own, every real row's logits)."""
     from tvm import relax
 
     def ty(shape, dtype):
         return relax.TensorType(shape, dtype)
 
-    ks = kernels(d, M, parallel_gemv)
+    ks = kernels(d, M, parallel_gemv, batch)
     bb = relax.BlockBuilder()
     gv = {name: bb.add_func(f, name) for name, f in ks.items()}
     ids = relax.Var("ids", ty((1, M), "int64"))
     pos = relax.Var("positions", ty((1, M), "int64"))
+    bases = relax.Var("bases", ty((1, M), "int64"))
     kv = []
     for i in range(d.n_layers):
         kv += [relax.Var(f"k{i}", ty(d.kv_shape, d.kv_dtype)), relax.Var(f"v{i}", ty(d.kv_shape, d.kv_dtype))]
     wv = {n: relax.Var(n.replace(".", "_"), ty(a.shape, str(a.dtype))) for n, a in weights}
-    params = [ids, pos] + kv + list(wv.values())
+    params = [ids, pos, bases] + kv + list(wv.values())
     xd = ty((M, d.dim), "float32")
     P = [pos] if M > 1 else []  # prefill GEMMs skip the padding rows
     with bb.function("main", params):
@@ -39,12 +43,13 @@ def entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv:
                                                                 zeros_of(bb, relax, M, d.qkv, "zq")],
                                              ty((M, d.qkv), "float32")))
                 kvo = bb.emit(relax.call_tir_inplace(
-                    gv["kv_write"], [qkv, pos, wv["rope.cos"], wv["rope.sin"], kv[2 * i], kv[2 * i + 1]],
-                    [4, 5], [ty(d.kv_shape, d.kv_dtype), ty(d.kv_shape, d.kv_dtype)]))
+                    gv["kv_write"], [qkv, pos, bases, wv["rope.cos"], wv["rope.sin"], kv[2 * i], kv[2 * i + 1]],
+                    [5, 6], [ty(d.kv_shape, d.kv_dtype), ty(d.kv_shape, d.kv_dtype)]))
                 kc = bb.emit(relax.TupleGetItem(kvo, 0))
                 vc = bb.emit(relax.TupleGetItem(kvo, 1))
                 new_kv += [kc, vc]
-                att = bb.emit(relax.call_tir(gv["attention"], [qkv, pos, wv["rope.cos"], wv["rope.sin"], kc, vc], xd))
+                att = bb.emit(relax.call_tir(gv["attention"], [qkv, pos, bases, wv["rope.cos"], wv["rope.sin"], kc, vc],
+                                             xd))
                 x = bb.emit(relax.call_tir(gv["gemv_o"], [att, *P, wv[b + "o.q"], wv[b + "o.d"], wv[b + "o.m"], x], xd))
                 h = bb.emit(relax.call_tir(gv["rmsnorm"], [x, wv[b + "ffn_norm"]], xd))
                 gu = bb.emit(relax.call_tir(gv["gemv_gate_up"], [h, *P, wv[b + "gate_up.q"], wv[b + "gate_up.d"],

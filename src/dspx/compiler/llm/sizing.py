@@ -52,7 +52,7 @@ KV_DTYPES = {"float32": 4, "float16": 2, "int8": 1}  # KV cache element type -> 
 # blocks, K transposed within a block) or "rows" (one row per position, the earlier layout,
 # kept for A/B: compile_llm(kv_layout="rows"), DSPX_LLM_KV_LAYOUT=rows).
 KV_LAYOUTS = ("blocked", "rows")
-KB = 16  # positions per KV block (one AVX-512 vector of float32 scores)
+KB = llmpack.KV_BLOCK  # positions per KV block (one AVX-512 vector of float32 scores)
 
 
 def kv_row(head_dim: int, kv_dtype: str) -> int:

@@ -42,12 +42,13 @@ log = logging.getLogger("dspx.host.llm")
 
 
 class ContextFullError(LLMError):
-    """The prompt (or the conversation) does not fit the model's context."""
+    """The prompt (or the conversation) does not fit the model's context (or its KV slot)."""
 
-    def __init__(self, needed: int, context: int, what: str = "prompt"):
+    def __init__(self, needed: int, context: int, what: str = "prompt", slots: int = 1):
         self.needed = needed
         self.context = context
-        super().__init__(f"{what} is {needed} tokens; the device model's context holds {context} "
+        holder = "the device model's context" if slots == 1 else f"each of the {slots} KV slots"
+        super().__init__(f"{what} is {needed} tokens; {holder} holds {context} "
                          f"(prompt + answer): shorten it" + (" or start a new chat" if what != "prompt" else ""))
 
 
@@ -111,7 +112,9 @@ class DeviceLLM:
             raise LLMError(f"the model's KV cache needs {self.kv_total} bytes; this client's KV region holds "
                            f"{self.client.kv_size}")
         self.kv_dtype = self.meta["kv"].get("dtype", "float32")
-        self.kv_inputs = [(2 + i, off, self.kv_shape, self.kv_dtype) for i, off in enumerate(self.kv_offsets)]
+        # inputs: ids, positions, bases, then the KV tensors
+        self.kv_inputs = [(3 + i, off, self.kv_shape, self.kv_dtype) for i, off in enumerate(self.kv_offsets)]
+        self.slots, self.slot_tokens = 1, self.context  # KV slots (set_slots) and the positions each holds
         self.load_warnings: list[str] = []
         self.handles: dict[str, int] = {}
         self._decode_name = "decode"
@@ -134,7 +137,7 @@ class DeviceLLM:
         # not fit beside the 480 MiB staging + KV with the default carveout; the
         # load warns (declared vs allocated) and we declare the real figure
         # (KV-resident: only the logits reach output_buf) before any inference.
-        for name in [m for m in ("prefill", "decode", "decode_parallel") if m in mods]:
+        for name in [m for m in ("prefill", "decode", "decode_parallel", "decode_batch") if m in mods]:
             elf = (self.dir / mods[name]["module"]).read_bytes()
             with _status(progress, f"loading {name} module ({len(elf) / 1e6:.1f} MB) …"):
                 with warnings.catch_warnings(record=True) as rec:
@@ -208,6 +211,31 @@ class DeviceLLM:
         """The decode module the steps run on: "serial" or "parallel"."""
         return next(k for k, v in _DECODE_MODULES.items() if v == self._decode_name)
 
+    def set_slots(self, n: int) -> int:
+        """Split the KV cache into ``n`` slots of ``slot_tokens`` positions each
+        (the context divided by n, down to a whole KV block): slot s holds cache
+        positions s·slot_tokens onwards, and its rows attend only to those.
+        Returns slot_tokens.  1 slot is the whole context (the default)."""
+        if n < 1:
+            raise LLMError(f"KV slots must be at least 1, got {n}")
+        per = self.context // n // llmpack.KV_BLOCK * llmpack.KV_BLOCK
+        if per < llmpack.KV_BLOCK:
+            raise LLMError(f"{n} KV slots do not fit a {self.context}-token context: each needs at least "
+                           f"{llmpack.KV_BLOCK} positions (at most {self.context // llmpack.KV_BLOCK} slots)")
+        if n > 1 and "decode_batch" not in self.handles:
+            raise LLMError(f"{self.dir} has no decode_batch module (compiled by an older dspx): "
+                           f"compile it again for KV slots")
+        self.slots, self.slot_tokens = n, per
+        return per
+
+    def _base(self, slot: int, end: int) -> int:
+        """The slot's first cache position, once positions up to ``end`` are known to fit it."""
+        if not 0 <= slot < self.slots:
+            raise LLMError(f"KV slot {slot} does not exist ({self.slots} slots)")
+        if end > self.slot_tokens:
+            raise ContextFullError(end, self.slot_tokens, slots=self.slots)
+        return slot * self.slot_tokens
+
     # ---------------------------------------------------------------- calls
     def _infer(self, name: str, inputs: list[np.ndarray], resident: bool):
         c = self.client
@@ -234,15 +262,14 @@ class DeviceLLM:
             self.host_kv = [self.client.kv_view(off, self.kv_shape, self.kv_dtype).copy() for off in self.kv_offsets]
             self.kv_on_host = True
 
-    def prefill(self, ids: Sequence[int], start: int = 0) -> np.ndarray:
-        """Run ``ids`` at positions ``start…``; returns the last token's logits (a copy)."""
+    def prefill(self, ids: Sequence[int], start: int = 0, slot: int = 0) -> np.ndarray:
+        """Run ``ids`` at positions ``start…`` of KV ``slot``; returns the last token's logits (a copy)."""
         ids = [int(i) for i in ids]
         t0, before = (trace.clock(), self.traffic.to_json()) if trace.on else (0, None)
         try:
             if not ids:
                 raise ValueError("prefill needs at least one token")
-            if start + len(ids) > self.context:
-                raise ContextFullError(start + len(ids), self.context)
+            bases = np.full((1, self.chunk), self._base(slot, start + len(ids)), np.int64)
             self._to_device_kv()
             last = None
             for s in range(0, len(ids), self.chunk):
@@ -251,7 +278,7 @@ class DeviceLLM:
                 idarr[0, :len(part)] = part
                 pos = np.full((1, self.chunk), -1, np.int64)  # padding rows: no KV write, ignored
                 pos[0, :len(part)] = np.arange(start + s, start + s + len(part))
-                r, t = self._infer("prefill", [idarr, pos], True)
+                r, t = self._infer("prefill", [idarr, pos, bases], True)
                 logits = self.client.output_view(r.descs[0])
                 last = logits[0, len(part) - 1].copy()
                 t.logits_bytes = last.nbytes
@@ -261,20 +288,21 @@ class DeviceLLM:
             if t0:
                 self._trace_step("prefill", t0, before, tokens=len(ids), start=start)
 
-    def decode(self, token: int, pos: int, resident: bool = True) -> np.ndarray:
-        """Logits (a copy) of ``token`` at ``pos`` attending to the cache 0…pos."""
+    def decode(self, token: int, pos: int, resident: bool = True, slot: int = 0) -> np.ndarray:
+        """Logits (a copy) of ``token`` at ``pos`` of KV ``slot``, attending to the slot's positions 0…pos."""
         t0, before = (trace.clock(), self.traffic.to_json()) if trace.on else (0, None)
         try:
-            if not 0 <= pos < self.context:
-                raise ContextFullError(pos + 1, self.context)
+            if pos < 0:
+                raise ValueError(f"decode position must be at least 0, got {pos}")
             ids = np.array([[token]], np.int64)
             p = np.array([[pos]], np.int64)
+            b = np.array([[self._base(slot, pos + 1)]], np.int64)
             if resident:
                 self._to_device_kv()
-                r, t = self._infer(self._decode_name, [ids, p], True)
+                r, t = self._infer(self._decode_name, [ids, p, b], True)
             else:
                 self._to_host_kv()
-                r, t = self._infer(self._decode_name, [ids, p] + self.host_kv, False)
+                r, t = self._infer(self._decode_name, [ids, p, b] + self.host_kv, False)
                 for i, arr in enumerate(self.host_kv):
                     np.copyto(arr, self.client.output_view(r.descs[1 + i]))
                     t.kv_out_bytes += arr.nbytes
@@ -285,6 +313,39 @@ class DeviceLLM:
         finally:
             if t0:
                 self._trace_step("decode", t0, before, pos=pos, resident=resident)
+
+    def decode_batch(self, rows: Sequence[tuple[int, int, int]]) -> np.ndarray:
+        """One decode step of several slots: ``rows`` of (slot, token, pos), at
+        most one per slot; returns their logits (len(rows), vocab) in that
+        order.  One row runs as ``decode``; more run on the decode_batch
+        module, ``batch_rows`` per call (unused rows have position -1 and write
+        no KV).  KV-resident."""
+        if len(rows) == 1:
+            slot, token, pos = rows[0]
+            return self.decode(token, pos, slot=slot)[None]
+        if len({r[0] for r in rows}) != len(rows):
+            raise LLMError("a batched decode step takes at most one row per KV slot")
+        t0, before = (trace.clock(), self.traffic.to_json()) if trace.on else (0, None)
+        n = int(self.meta.get("batch_rows", llmpack.BATCH_ROWS))
+        out = np.empty((len(rows), self.vocab), np.float32)
+        try:
+            for s in range(0, len(rows), n):
+                part = rows[s:s + n]
+                arr = np.zeros((3, 1, n), np.int64)  # ids, positions, bases
+                arr[1] = -1
+                for i, (slot, token, pos) in enumerate(part):
+                    if pos < 0:
+                        raise ValueError(f"decode position must be at least 0, got {pos}")
+                    arr[:, 0, i] = token, pos, self._base(slot, pos + 1)
+                self._to_device_kv()
+                r, t = self._infer("decode_batch", [arr[0], arr[1], arr[2]], True)
+                out[s:s + len(part)] = self.client.output_view(r.descs[0])[0, :len(part)]
+                t.logits_bytes = len(part) * self.vocab * 4
+                self._account(t)
+            return out
+        finally:
+            if t0:
+                self._trace_step("decode_batch", t0, before, rows=len(rows))
 
     def _trace_step(self, what: str, t0: int, before: dict, **args) -> None:
         """A prefill or decode span with the bytes the host moved for it."""

@@ -11,20 +11,20 @@ from .kv import kv_write
 from .pointwise import embed, rmsnorm, silu_mul
 
 
-def kernels(d: Dims, M: int, parallel_gemv: bool) -> dict:
-    """Every kernel for one entry (M = rows per call: 64 prefill, 1 decode),
-    by the name the entry calls it."""
+def kernels(d: Dims, M: int, parallel_gemv: bool, batch: bool = False) -> dict:
+    """Every kernel for one entry (M = rows per call: 64 prefill, 1 decode,
+    BATCH_ROWS a batched decode step: ``batch``), by the name the entry calls it."""
     assert d.head_dim == 64, "the attention kernel's q·k is written for head_dim 64"
-    D, F, P = d.dim, d.ffn, parallel_gemv
+    D, F, P, B = d.dim, d.ffn, parallel_gemv, batch
     return {
         "rmsnorm": rmsnorm(d, M),
         "kv_write": kv_write(d, M),
-        "attention": attention(d, M, P),
+        "attention": attention(d, M, P, B),
         "silu_mul": silu_mul(d, M),
         "embed": embed(d, M),
-        "gemv_qkv": gemv_q4_1(M, D, d.qkv, P),
-        "gemv_o": gemv_q4_1(M, D, D, P),
-        "gemv_gate_up": gemv_q4_1(M, D, 2 * F, P),
-        "gemv_down": gemv_q4_1(M, F, D, P),
-        "lm_head": gemv_q8_0(M, D, d.vocab, P),
+        "gemv_qkv": gemv_q4_1(M, D, d.qkv, P, B),
+        "gemv_o": gemv_q4_1(M, D, D, P, B),
+        "gemv_gate_up": gemv_q4_1(M, D, 2 * F, P, B),
+        "gemv_down": gemv_q4_1(M, F, D, P, B),
+        "lm_head": gemv_q8_0(M, D, d.vocab, P, B),
     }

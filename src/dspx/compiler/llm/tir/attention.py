@@ -1,6 +1,8 @@
 """Causal GQA attention over the KV cache: one KV head and its G query
 heads at a time (each cached K/V row widened to float32 once for the G
-heads), for the "rows" and the "blocked" KV layout (kv.py writes both)."""
+heads), for the "rows" and the "blocked" KV layout (kv.py writes both).  Row
+r attends to its slot's cache positions ``bases[r] … bases[r] + positions[r]``
+(a base is a multiple of the KV block)."""
 from __future__ import annotations
 
 from ..sizing import KB, Dims
@@ -8,16 +10,18 @@ from .common import REG, rope_q, vexp
 from .kv import row_elems
 
 
-def attention(d: Dims, M: int, parallel: bool):
-    """(qkv, positions, cos, sin, K, V) -> out (M, dim) for ``d``'s KV layout."""
-    return _blocked(d, M, parallel) if d.kv_layout == "blocked" else _rows(d, M, parallel)
+def attention(d: Dims, M: int, parallel: bool, batch: bool = False):
+    """(qkv, positions, bases, cos, sin, K, V) -> out (M, dim) for ``d``'s KV layout
+    (``batch``: M decode rows, parallel only if ``parallel``)."""
+    par = parallel or (M > 1 and not batch)
+    return _blocked(d, M, par) if d.kv_layout == "blocked" else _rows(d, M, par)
 
 
 def _parts(M: int, parallel: bool):
     """The loop over (row, KV head) items: parallel in prefill and decode_parallel."""
     from tvm.script import tirx as T
 
-    return T.parallel if M > 1 or parallel else T.serial
+    return T.parallel if parallel else T.serial
 
 
 def _rows(d: Dims, M: int, parallel: bool):
@@ -40,6 +44,7 @@ def _rows(d: Dims, M: int, parallel: bool):
 
     @T.prim_func(private=True)
     def attention(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
+                  bases: T.Buffer((1, M), "int64"),
                   cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
                   kc: T.Buffer((1, HKV, C, RK), KD), vc: T.Buffer((1, HKV, C, RK), KD),
                   out: T.Buffer((M, D), "float32")):
@@ -57,14 +62,15 @@ def _rows(d: Dims, M: int, parallel: bool):
             r = rg // HKV
             g = rg % HKV
             p = T.Cast("int32", pos[0, r])
-            if p >= 0 and p < C:
+            b = T.Cast("int32", bases[0, r])
+            if p >= 0 and b >= 0 and b + p < C:
                 for h in T.unroll(G):
                     rotate(qr, qkv, cos, sin, r, g, h, p)
                     st[0, h] = T.float32(-3.0e38)
                 for t in range(p + 1):
                     for e in T.vectorized(HD):
-                        kf[e] = T.Cast("float32", kc[0, g, t, e])
-                    ks_ = row_scale(kc, g, t)
+                        kf[e] = T.Cast("float32", kc[0, g, b + t, e])
+                    ks_ = row_scale(kc, g, b + t)
                     for h in T.unroll(G):
                         for e in T.vectorized(16):
                             pp[e] = (qr[h, e] * kf[e] + qr[h, 16 + e] * kf[16 + e]
@@ -92,9 +98,9 @@ def _rows(d: Dims, M: int, parallel: bool):
                     for e in T.vectorized(HD):
                         o[h, e] = T.float32(0)
                 for t in range(p + 1):
-                    vs_ = row_scale(vc, g, t)
+                    vs_ = row_scale(vc, g, b + t)
                     for e in T.vectorized(HD):
-                        kf[e] = T.Cast("float32", vc[0, g, t, e]) * vs_
+                        kf[e] = T.Cast("float32", vc[0, g, b + t, e]) * vs_
                     for h in T.unroll(G):
                         for e in T.vectorized(HD):
                             o[h, e] = o[h, e] + sc[h, t] * kf[e]
@@ -124,6 +130,7 @@ def _blocked(d: Dims, M: int, parallel: bool):
 
     @T.prim_func(private=True)
     def attention_blocked(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
+                          bases: T.Buffer((1, M), "int64"),
                           cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
                           kc: T.Buffer((1, HKV, C, RK), KD), vc: T.Buffer((1, HKV, C, RK), KD),
                           out: T.Buffer((M, D), "float32")):
@@ -145,6 +152,7 @@ def _blocked(d: Dims, M: int, parallel: bool):
             r = it // (HKV * NS)
             g = it // NS % HKV
             p = T.Cast("int32", pos[0, r])
+            bo = T.Cast("int32", bases[0, r]) // KB  # the slot's first block
             b0 = it % NS * ((p + KB) // KB) // NS  # this part's blocks b0 <= tb < b1
             b1 = (it % NS + 1) * ((p + KB) // KB) // NS
             for h in T.unroll(G):
@@ -152,16 +160,16 @@ def _blocked(d: Dims, M: int, parallel: bool):
                     o[h, e] = T.float32(0)
                 st[0, h] = T.float32(-3.0e38)
                 st[1, h] = T.float32(0)
-            if p >= 0 and p < C and b0 < b1:
+            if p >= 0 and bo >= 0 and bo * KB + p < C and b0 < b1:
                 for h in T.unroll(G):
                     rotate(qr, qkv, cos, sin, r, g, h, p)
                     for j in T.vectorized(KB):
                         mv[h, j] = T.float32(-3.0e38)
-                qk(sc, mv, acc, kf, qr, kb, ksc, g, p, b0, b1)
-                softmax(sc, st, mv, sv, vsc, g, p, b0, b1)
+                qk(sc, mv, acc, kf, qr, kb, ksc, g, p, bo, b0, b1)
+                softmax(sc, st, mv, sv, vsc, g, p, bo, b0, b1)
                 for t in range(b0 * KB, T.min(b1 * KB, p + 1)):
                     for e in T.vectorized(HD):
-                        kf[e] = T.Cast("float32", vb[g, t // KB, (t % KB) * HD + e])
+                        kf[e] = T.Cast("float32", vb[g, bo + t // KB, (t % KB) * HD + e])
                     for h in T.unroll(G):
                         for e in T.vectorized(HD):
                             o[h, e] = o[h, e] + sc[h, t] * kf[e]
@@ -191,7 +199,7 @@ def _blocked_qk(d: Dims):
     Q8 = d.kv_dtype == "int8"
 
     @T.macro
-    def qk(sc, mv, acc, kf, qr, kb, ksc, g, p, b0, b1):
+    def qk(sc, mv, acc, kf, qr, kb, ksc, g, p, bo, b0, b1):
         for tb in range(b0, b1):
             for h in T.unroll(G):
                 for u in T.unroll(4):
@@ -200,7 +208,7 @@ def _blocked_qk(d: Dims):
             for eo in range(HD // 4):
                 for u in T.unroll(4):
                     for j in T.vectorized(KB):
-                        kf[u * KB + j] = T.Cast("float32", kb[g, tb, (eo * 4 + u) * KB + j])
+                        kf[u * KB + j] = T.Cast("float32", kb[g, bo + tb, (eo * 4 + u) * KB + j])
                     for h in T.unroll(G):
                         for j in T.vectorized(KB):
                             acc[h, u, j] = acc[h, u, j] + qr[h, eo * 4 + u] * kf[u * KB + j]
@@ -209,7 +217,7 @@ def _blocked_qk(d: Dims):
                     if Q8:
                         sc[h, tb * KB + j] = T.Select(
                             tb * KB + j <= p,
-                            ((acc[h, 0, j] + acc[h, 1, j]) + (acc[h, 2, j] + acc[h, 3, j])) * ksc[g, tb, SOFF + j],
+                            ((acc[h, 0, j] + acc[h, 1, j]) + (acc[h, 2, j] + acc[h, 3, j])) * ksc[g, bo + tb, SOFF + j],
                             T.float32(-3.0e38))
                     else:
                         sc[h, tb * KB + j] = T.Select(
@@ -229,7 +237,7 @@ def _blocked_softmax(d: Dims):
     Q8 = d.kv_dtype == "int8"
 
     @T.macro
-    def softmax(sc, st, mv, sv, vsc, g, p, b0, b1):
+    def softmax(sc, st, mv, sv, vsc, g, p, bo, b0, b1):
         for h in T.unroll(G):
             for e in T.vectorized(8):
                 mv[h, e] = T.max(mv[h, e], mv[h, 8 + e])
@@ -245,7 +253,7 @@ def _blocked_softmax(d: Dims):
                                                   T.float32(0))
                     sv[h, e] = sv[h, e] + sc[h, tb * KB + e]
                     if Q8:  # V's scale folded into the weight (after the sum: it is not normalized)
-                        sc[h, tb * KB + e] = sc[h, tb * KB + e] * vsc[g, tb, SOFF + e]
+                        sc[h, tb * KB + e] = sc[h, tb * KB + e] * vsc[g, bo + tb, SOFF + e]
         for h in T.unroll(G):
             for e in T.vectorized(8):
                 sv[h, e] = sv[h, e] + sv[h, 8 + e]

@@ -7,14 +7,18 @@ from ..sizing import TN
 from .common import PR, REG
 
 
-def gemv_q4_1(M: int, K: int, N: int, parallel: bool):
-    """x (M, K) · W (K -> N) + res -> y (M, N); prefill takes the positions too."""
-    return _q4_1_decode(K, N, parallel) if M == 1 else _q4_1_prefill(M, K, N)
+def gemv_q4_1(M: int, K: int, N: int, parallel: bool, batch: bool = False):
+    """x (M, K) · W (K -> N) + res -> y (M, N); prefill and batch take the positions too."""
+    if M == 1:
+        return _q4_1_decode(K, N, parallel)
+    return _q4_1_rows(M, K, N, parallel) if batch else _q4_1_prefill(M, K, N)
 
 
-def gemv_q8_0(M: int, K: int, N: int, parallel: bool):
+def gemv_q8_0(M: int, K: int, N: int, parallel: bool, batch: bool = False):
     """The LM head: x (M, K) · W (K -> N) -> logits (1, M, N)."""
-    return _q8_0_decode(K, N, parallel) if M == 1 else _q8_0_prefill(M, K, N)
+    if M == 1:
+        return _q8_0_decode(K, N, parallel)
+    return _q8_0_rows(M, K, N, parallel) if batch else _q8_0_prefill(M, K, N)
 
 
 def _tile_dot(NB: int, q4: bool):
@@ -42,7 +46,7 @@ def _tile_dot(NB: int, q4: bool):
                                                * x[row, b * 32 + 16 + j])
                 for ni in T.vectorized(TN):
                     acc[ni] = (acc[ni] + T.Cast("float32", dd[no, b, ni]) * (s[0, ni] + s[1, ni])
-                               + T.Cast("float32", mm[no, b, ni]) * xs[b])
+                               + T.Cast("float32", mm[no, b, ni]) * xs[row, b])
             else:  # even and odd elements
                 for j in range(16):
                     for h in T.unroll(2):
@@ -66,23 +70,190 @@ def _real_rows(M: int):
     return count
 
 
+def _block_sums(NB: int):
+    """Macro: xs[r, b] = the sum of block b of row r of x (the m·Σx term of Q4_1), rows 0 … M-1."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def block_sums(xs, x, M):
+        for r in range(M):
+            for b in range(NB):
+                xs[r, b] = T.float32(0)
+                for j in range(32):
+                    xs[r, b] = xs[r, b] + x[r, b * 32 + j]
+    return block_sums
+
+
+RB = 4   # batched decode: rows per group, sharing each weight's conversion to float32
+TH = 32  # batched decode: outputs per half tile (RB rows x 2 partial sums x TH in registers)
+
+
+def _rows_dot(NB: int, q4: bool, rows: int):
+    """Macro: ``rows`` (2 or RB) rows r0..r3 of x times half ``hh`` of tile
+    ``no``, into acc (rows r0, r1) and acc2 (r2, r3), each (2, TN): each weight is converted to float32 once for
+    the rows, and every row sums exactly as ``_tile_dot`` does (same partial
+    sums, same order), so a batched row's logits are bit for bit the decode
+    entry's."""
+    from tvm.script import tirx as T
+
+    quad = rows == RB
+
+    @T.macro
+    def pair(s, wa, wb, x, ra, rb, ka, kb):  # two rows' partial sums s (2, 2, TH) += w * x
+        for ni in T.vectorized(TH):
+            s[0, 0, ni] = s[0, 0, ni] + wa[ni] * x[ra, ka]
+        for ni in T.vectorized(TH):
+            s[0, 1, ni] = s[0, 1, ni] + wb[ni] * x[ra, kb]
+        for ni in T.vectorized(TH):
+            s[1, 0, ni] = s[1, 0, ni] + wa[ni] * x[rb, ka]
+        for ni in T.vectorized(TH):
+            s[1, 1, ni] = s[1, 1, ni] + wb[ni] * x[rb, kb]
+
+    @T.macro
+    def scale(acc, i, s, si, r, dd, mm, xs, no, b, hh):  # acc[i] += this block's sum of row r (s[si])
+        if q4:
+            for ni in T.vectorized(TH):
+                acc[i, hh * TH + ni] = (acc[i, hh * TH + ni]
+                                        + T.Cast("float32", dd[no, b, hh * TH + ni]) * (s[si, 0, ni] + s[si, 1, ni])
+                                        + T.Cast("float32", mm[no, b, hh * TH + ni]) * xs[r, b])
+        else:
+            for ni in T.vectorized(TH):
+                acc[i, hh * TH + ni] = (acc[i, hh * TH + ni]
+                                        + T.Cast("float32", dd[no, b, hh * TH + ni]) * (s[si, 0, ni] + s[si, 1, ni]))
+
+    @T.macro
+    def dot(acc, acc2, sa, sb, wa, wb, x, r0, r1, r2, r3, q, dd, mm, xs, no):
+        # acc (2, TN): rows r0, r1; acc2: r2, r3.  Both halves of a block back to back (its bytes
+        # stay in L1 and the weights stream from memory in order)
+        for i in T.unroll(2):
+            for ni in T.vectorized(TN):
+                acc[i, ni] = T.float32(0)
+                acc2[i, ni] = T.float32(0)
+        for b in range(NB):
+            for hh in T.unroll(TN // TH):
+                for i in T.unroll(2):
+                    for h in T.unroll(2):
+                        for ni in T.vectorized(TH):
+                            sa[i, h, ni] = T.float32(0)
+                            sb[i, h, ni] = T.float32(0)
+                for j in range(16):
+                    if q4:  # low nibbles (element j) into s[., 0], high (element 16 + j) into s[., 1]
+                        for ni in T.vectorized(TH):
+                            wa[ni] = T.Cast("float32", T.bitwise_and(q[no, b, j, hh * TH + ni], T.uint8(15)))
+                            wb[ni] = T.Cast("float32", T.shift_right(q[no, b, j, hh * TH + ni], T.uint8(4)))
+                        pair(sa, wa, wb, x, r0, r1, b * 32 + j, b * 32 + 16 + j)
+                        if quad:
+                            pair(sb, wa, wb, x, r2, r3, b * 32 + j, b * 32 + 16 + j)
+                    else:  # even and odd elements
+                        for ni in T.vectorized(TH):
+                            wa[ni] = T.Cast("float32", q[no, b, 2 * j, hh * TH + ni])
+                            wb[ni] = T.Cast("float32", q[no, b, 2 * j + 1, hh * TH + ni])
+                        pair(sa, wa, wb, x, r0, r1, b * 32 + 2 * j, b * 32 + 2 * j + 1)
+                        if quad:
+                            pair(sb, wa, wb, x, r2, r3, b * 32 + 2 * j, b * 32 + 2 * j + 1)
+                scale(acc, 0, sa, 0, r0, dd, mm, xs, no, b, hh)
+                scale(acc, 1, sa, 1, r1, dd, mm, xs, no, b, hh)
+                if quad:
+                    scale(acc2, 0, sb, 0, r2, dd, mm, xs, no, b, hh)
+                    scale(acc2, 1, sb, 1, r3, dd, mm, xs, no, b, hh)
+    return dot
+
+
+def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool):
+    """Batched decode GEMV: up to 2 real rows as one pair, more in groups of
+    RB (the last group clamps to the last row and computes it again), rows
+    after the last real one (position -1) skipped; Q4_1 adds the residual
+    (padding rows keep it), the Q8_0 LM head writes logits (1, M, N) (padding
+    rows zero)."""
+    from tvm.script import tirx as T
+
+    assert M >= 2
+    NB = K // 32
+    loop = T.parallel if parallel else T.serial
+    dot2, dot4, block_sums, real_rows = _rows_dot(NB, q4, 2), _rows_dot(NB, q4, RB), _block_sums(NB), _real_rows(M)
+    QS = (N // TN, NB, 16, TN) if q4 else (N // TN, NB, 32, TN)
+
+    @T.macro
+    def store(y, res, acc, i, r, no):
+        for ni in T.vectorized(TN):
+            if q4:
+                y[r, no * TN + ni] = res[r, no * TN + ni] + acc[i, ni]
+            else:
+                y[0, r, no * TN + ni] = acc[i, ni]
+
+    @T.macro
+    def tile(nr, x, q, dd, mm, xs, res, y, no):
+        acc = T.alloc_buffer((2, TN), "float32", scope=REG)
+        acc2 = T.alloc_buffer((2, TN), "float32", scope=REG)
+        sa = T.alloc_buffer((2, 2, TH), "float32", scope=REG)
+        sb = T.alloc_buffer((2, 2, TH), "float32", scope=REG)
+        wa = T.alloc_buffer((TH,), "float32", scope=REG)
+        wb = T.alloc_buffer((TH,), "float32", scope=REG)
+        if nr[0] <= 2:
+            dot2(acc, acc2, sa, sb, wa, wb, x, 0, 1, 0, 0, q, dd, mm, xs, no)
+            for i in T.unroll(2):
+                store(y, res, acc, i, i, no)
+        else:
+            for ro in range((nr[0] + RB - 1) // RB):
+                dot4(acc, acc2, sa, sb, wa, wb, x, T.min(ro * RB, M - 1), T.min(ro * RB + 1, M - 1),
+                     T.min(ro * RB + 2, M - 1), T.min(ro * RB + 3, M - 1), q, dd, mm, xs, no)
+                for i in T.unroll(2):
+                    store(y, res, acc, i, T.min(ro * RB + i, M - 1), no)
+                    store(y, res, acc2, i, T.min(ro * RB + 2 + i, M - 1), no)
+
+    if q4:
+        @T.prim_func(private=True)
+        def f(x: T.Buffer((M, K), "float32"), pos: T.Buffer((1, M), "int64"), q: T.Buffer(QS, "uint8"),
+              dd: T.Buffer((N // TN, NB, TN), "float16"), mm: T.Buffer((N // TN, NB, TN), "float16"),
+              res: T.Buffer((M, N), "float32"), y: T.Buffer((M, N), "float32")):
+            T.func_attr({"tir.noalias": True})
+            nr = T.alloc_buffer((1,), "int32", scope=REG)
+            real_rows(nr, pos, 0)
+            xs = T.alloc_buffer((M, NB), "float32")
+            block_sums(xs, x, M)
+            for no in loop(N // TN):
+                for r in range(M):
+                    for ni in T.vectorized(TN):
+                        y[r, no * TN + ni] = res[r, no * TN + ni]
+                tile(nr, x, q, dd, mm, xs, res, y, no)
+        return f
+
+    @T.prim_func(private=True)
+    def g(x: T.Buffer((M, K), "float32"), pos: T.Buffer((1, M), "int64"), q: T.Buffer(QS, "int8"),
+          dd: T.Buffer((N // TN, NB, TN), "float16"), y: T.Buffer((1, M, N), "float32")):
+        T.func_attr({"tir.noalias": True})
+        nr = T.alloc_buffer((1,), "int32", scope=REG)
+        real_rows(nr, pos, 0)
+        for no in loop(N // TN):
+            for r in range(M):
+                for ni in T.vectorized(TN):
+                    y[0, r, no * TN + ni] = T.float32(0)
+            tile(nr, x, q, dd, None, None, None, y, no)
+    return g
+
+
+def _q4_1_rows(M: int, K: int, N: int, parallel: bool):
+    return _rows_gemv(M, K, N, parallel, True)
+
+
+def _q8_0_rows(M: int, K: int, N: int, parallel: bool):
+    return _rows_gemv(M, K, N, parallel, False)
+
+
 def _q4_1_decode(K: int, N: int, parallel: bool):
     from tvm.script import tirx as T
 
     NB = K // 32
     loop = T.parallel if parallel else T.serial
-    dot = _tile_dot(NB, True)
+    dot, block_sums = _tile_dot(NB, True), _block_sums(NB)
 
     @T.prim_func(private=True)
     def f(x: T.Buffer((1, K), "float32"), q: T.Buffer((N // TN, NB, 16, TN), "uint8"),
           dd: T.Buffer((N // TN, NB, TN), "float16"), mm: T.Buffer((N // TN, NB, TN), "float16"),
           res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
         T.func_attr({"tir.noalias": True})
-        xs = T.alloc_buffer((NB,), "float32")
-        for b in range(NB):
-            xs[b] = T.float32(0)
-            for j in range(32):
-                xs[b] = xs[b] + x[0, b * 32 + j]
+        xs = T.alloc_buffer((1, NB), "float32")
+        block_sums(xs, x, 1)
         for no in loop(N // TN):
             acc = T.alloc_buffer((TN,), "float32", scope=REG)
             s = T.alloc_buffer((2, TN), "float32", scope=REG)

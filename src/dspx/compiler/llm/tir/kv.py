@@ -1,5 +1,7 @@
 """The KV append (RoPE on K, then K and V written at each row's position,
-in place on the KV inputs), for each element type and arrangement."""
+in place on the KV inputs), for each element type and arrangement.  A row's
+KV goes to its slot: cache position ``bases[r] + positions[r]``, rotated for
+``positions[r]`` (base 0, one slot, is the whole cache)."""
 from __future__ import annotations
 
 from ..sizing import KB, Dims
@@ -56,20 +58,22 @@ def _rows(d: Dims, M: int):
 
     @T.prim_func(private=True)
     def kv_write(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
+                 bases: T.Buffer((1, M), "int64"),
                  cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
                  kc: T.Buffer((1, HKV, C, HD), KD), vc: T.Buffer((1, HKV, C, HD), KD)):
         T.func_attr({"tir.noalias": True})
         for r in range(M):
             p = T.Cast("int32", pos[0, r])
-            if p >= 0 and p < C:
+            a = T.Cast("int32", bases[0, r]) + p  # the row's cache position
+            if p >= 0 and a >= 0 and a < C:
                 for g in range(HKV):
                     for i in range(HALF):
-                        kc[0, g, p, 2 * i] = T.Cast(KD, qkv[r, D + g * HD + 2 * i] * cos[p, i]
+                        kc[0, g, a, 2 * i] = T.Cast(KD, qkv[r, D + g * HD + 2 * i] * cos[p, i]
                                                     - qkv[r, D + g * HD + 2 * i + 1] * sin[p, i])
-                        kc[0, g, p, 2 * i + 1] = T.Cast(KD, qkv[r, D + g * HD + 2 * i] * sin[p, i]
+                        kc[0, g, a, 2 * i + 1] = T.Cast(KD, qkv[r, D + g * HD + 2 * i] * sin[p, i]
                                                         + qkv[r, D + g * HD + 2 * i + 1] * cos[p, i])
                     for e in range(HD):
-                        vc[0, g, p, e] = T.Cast(KD, qkv[r, D + HKV * HD + g * HD + e])
+                        vc[0, g, a, e] = T.Cast(KD, qkv[r, D + HKV * HD + g * HD + e])
     return kv_write
 
 
@@ -112,6 +116,7 @@ def _via_row(d: Dims, M: int):
 
     @T.prim_func(private=True)
     def kv_write(qkv: T.Buffer((M, QKV), "float32"), pos: T.Buffer((1, M), "int64"),
+                 bases: T.Buffer((1, M), "int64"),
                  cos: T.Buffer((C, HALF), "float32"), sin: T.Buffer((C, HALF), "float32"),
                  kc: T.Buffer((1, HKV, C, RK), KD), vc: T.Buffer((1, HKV, C, RK), KD)):
         T.func_attr({"tir.noalias": True})
@@ -122,23 +127,24 @@ def _via_row(d: Dims, M: int):
             vsc = T.decl_buffer((HKV, NBK, KBLK // 4), "float32", data=vc.data)
         for r in range(M):
             p = T.Cast("int32", pos[0, r])
-            if p >= 0 and p < C:
+            a = T.Cast("int32", bases[0, r]) + p  # the row's cache position; RoPE at p
+            if p >= 0 and a >= 0 and a < C:
                 for g in range(HKV):
                     row = T.alloc_buffer((HD,), "float32", scope=REG)
                     rope_k(row, qkv, cos, sin, r, g, p)
                     if not BLOCKED:
-                        store_q8(row, kc, g, p)
+                        store_q8(row, kc, g, a)
                         for e in range(HD):
                             row[e] = qkv[r, D + HKV * HD + g * HD + e]
-                        store_q8(row, vc, g, p)
+                        store_q8(row, vc, g, a)
                     elif Q8:
-                        store_q8_blocked(row, kb, ksc, g, p, KB, 1)
+                        store_q8_blocked(row, kb, ksc, g, a, KB, 1)
                         for e in range(HD):
                             row[e] = qkv[r, D + HKV * HD + g * HD + e]
-                        store_q8_blocked(row, vb, vsc, g, p, 1, HD)
+                        store_q8_blocked(row, vb, vsc, g, a, 1, HD)
                     else:
                         for e in range(HD):
-                            kb[g, p // KB, e * KB + p % KB] = T.Cast(KD, row[e])
+                            kb[g, a // KB, e * KB + a % KB] = T.Cast(KD, row[e])
                         for e in range(HD):
-                            vb[g, p // KB, (p % KB) * HD + e] = T.Cast(KD, qkv[r, D + HKV * HD + g * HD + e])
+                            vb[g, a // KB, (a % KB) * HD + e] = T.Cast(KD, qkv[r, D + HKV * HD + g * HD + e])
     return kv_write
