@@ -166,7 +166,7 @@ def _collector(service):
 
     class Collector:
         def collect(self):
-            s, gen = service.stats, service.gen
+            s = service.stats
             with s._lock:
                 counters = [("prompt_tokens", "Number of prompt tokens processed.", s.prompt_tokens),
                             ("prompt_seconds", "Prompt process time", s.prompt_seconds),
