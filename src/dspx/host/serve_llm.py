@@ -656,9 +656,10 @@ def serve_llm(host: str = "127.0.0.1", port: int = 8080, api_key: str | None = N
         deadline = time.monotonic() + 60
         while not server.started and not server.should_exit and time.monotonic() < deadline:
             time.sleep(0.05)  # uvicorn accepts from the bound socket once its loop runs
+        if server.started and parallel > 1:
+            print(f"{parallel} KV slots of {svc.context} tokens ({gen.llm.kv_dtype} KV, context {gen.llm.context})",
+                  file=sys.stderr)
         if server.started and on_ready is not None:
-            print(f"{parallel} KV slot{'s' if parallel > 1 else ''} of {svc.context} tokens ({gen.llm.kv_dtype} KV, "
-                  f"context {gen.llm.context})", file=sys.stderr)
             on_ready(url)
 
     where = sock.getsockname()
