@@ -68,7 +68,8 @@ COMMANDS = (
     ("dspx.cli.ops", "load_ops", "load-ops"), ("dspx.cli.ops", "ops", "ops"),
     ("dspx.cli.ops", "sdk", "sdk"), ("dspx.cli.ops", "build_ops", "build-ops"),
     ("dspx.cli.llm", "compile_llm", "compile-llm"), ("dspx.cli.llm", "generate", "generate"),
-    ("dspx.cli.llm", "chat", "chat"), ("dspx.cli.llm", "serve_llm", "serve-llm"))
+    ("dspx.cli.llm", "chat", "chat"), ("dspx.cli.llm", "serve_llm", "serve-llm"),
+    ("dspx.cli.farm", "farm", "farm"))
 
 
 def _unavailable(name: str, error: ImportError) -> click.Command:
