@@ -62,12 +62,12 @@ def split(module, inputs: Mapping[str, np.ndarray]) -> list[dict]:
     for s in specs:
         a = np.asarray(inputs[s.name])
         if a.ndim != len(s.shape) + 1 or tuple(a.shape[1:]) != s.shape or a.dtype.name != s.dtype:
-            raise InputError(f"input {s.name!r}: expected (N, {', '.join(map(str, s.shape))}) of {s.dtype} "
-                             f"(N items of {s}); got {a.dtype.name}[{', '.join(map(str, a.shape))}]",
+            raise InputError(f"input {s.name!r}: expected (N, {', '.join(str(d) for d in s.shape)}) of {s.dtype} "
+                             f"(N items of {s}); got {a.dtype.name}[{', '.join(str(d) for d in a.shape)}]",
                              s.name, str(s), f"{a.dtype.name}{list(a.shape)}")
         counts.add(a.shape[0])
     if len(counts) != 1:
-        raise InputError(f"the inputs hold different numbers of items ({', '.join(map(str, sorted(counts)))})",
+        raise InputError(f"the inputs hold different numbers of items ({', '.join(str(c) for c in sorted(counts))})",
                          ",".join(want))
     n = counts.pop()
     if n == 0:

@@ -27,7 +27,7 @@ from ..errors import DspxError
 DEFAULT_KEY = "sim"
 NAMESPACE = "dspx-farm"
 START_TIMEOUT = 300.0   # the head, then every device (a loaded machine takes long to start a core)
-STOP_TIMEOUT = 30.0
+STOP_GRACE = 5.0  # seconds Ray's processes get to exit on SIGTERM (ray stop gives 16)
 OBJECT_STORE_BYTES = 512 << 20  # Ray's default is 30 % of RAM; a farm's items are small
 
 
@@ -70,39 +70,56 @@ class Farm:
         tmp.write_text(json.dumps(asdict(self)))
         os.replace(tmp, path)
 
-    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
-        """Stop a farm this machine started: SIGTERM to its head process
-        (which stops every Ray process it started, and they their devices),
-        SIGKILL to its process group if that does not end in ``timeout``."""
+    def stop(self, grace: float = STOP_GRACE) -> None:
+        """Stop a farm this machine started: SIGTERM to every process of the
+        head's session (Ray's servers and workers; the devices, in sessions of
+        their own, exit with the worker that started them), SIGKILL to those
+        still there after ``grace`` seconds, as ``ray stop`` does."""
         if not self.pid:
             raise FarmError(f"the farm at {self.address} was not started by `dspx farm up` here: stop it where it "
                             f"was started")
-        if self.alive():
-            os.kill(self.pid, signal.SIGTERM)
-            if not _wait_gone(self.pid, timeout):
-                os.killpg(self.pid, signal.SIGKILL)
-                _wait_gone(self.pid, 5.0)
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            if not _signal_session(self.pid, sig, wait):
+                break
         if self.dir:
-            shutil.rmtree(self.dir, ignore_errors=True)  # made by start(): Ray's session and logs
+            shutil.rmtree(self.dir, ignore_errors=True)  # made by start(): Ray's session, logs, the devices' sockets
         saved = _read_state()
         if saved is not None and saved.address == self.address:
             state_path().unlink(missing_ok=True)
 
 
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _session_pids(sid: int) -> list[int]:
+    import psutil
+
+    pids = []
+    for p in psutil.process_iter():
         try:
-            done, _ = os.waitpid(pid, os.WNOHANG)  # our child: reap it
-            if done:
-                return True
-        except ChildProcessError:  # not our child (started by another `dspx farm up`)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return True
-        time.sleep(0.1)
-    return False
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                pids.append(p.pid)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+    return pids
+
+
+def _signal_session(sid: int, sig: int, wait: float) -> bool:
+    """Send ``sig`` to the processes of session ``sid`` (the session
+    start() made); True when some are still there after ``wait`` seconds."""
+    for pid in _session_pids(sid):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            os.waitpid(sid, os.WNOHANG)  # the head is our child when this process started it
+        except ChildProcessError:
+            pass
+        if not _session_pids(sid):
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.2)
 
 
 def _answers(address: str, timeout: float = 2.0) -> bool:
@@ -150,6 +167,13 @@ def connect(farm: Farm | str) -> None:
         return
     if not _answers(address):
         raise FarmError(f"no farm answers at {address} (is it up? `dspx farm status`)")
+    from ray._private import ray_constants
+
+    if address.startswith("127.") and ray_constants.ENABLE_RAY_CLUSTER:
+        # Ray would look for this driver's node at the routable address, and wait for it for ever.
+        raise FarmError(f"the farm at {address} is on loopback, but Ray was imported before dspx.farm set its "
+                        f"loopback switch: import dspx.farm before ray (or set "
+                        f"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0)")
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
@@ -173,20 +197,22 @@ def disconnect() -> None:
     _connected = None
 
 
-def _ray_start(cmd_args: list[str], log) -> subprocess.Popen:
+def _ray_start(cmd_args: list[str], log, env: dict) -> subprocess.Popen:
     """``ray start ARGS`` as its own session, through this interpreter (the
     ``ray`` script may not be on PATH in a venv that is not activated)."""
     code = "import sys; from ray.scripts.scripts import main; sys.exit(main())"
     return subprocess.Popen([sys.executable, "-c", code, "start", *cmd_args], stdin=subprocess.DEVNULL,
-                            stdout=log, stderr=log, start_new_session=True, env=os.environ.copy())
+                            stdout=log, stderr=log, start_new_session=True, env=env)
 
 
 def start(devices: int, key: str = DEFAULT_KEY, *, cores: int = 1, threads: int = 1, device_args=(),
-          object_store_bytes: int = OBJECT_STORE_BYTES, timeout: float = START_TIMEOUT, progress=None) -> Farm:
+          env: dict | None = None, object_store_bytes: int = OBJECT_STORE_BYTES, timeout: float = START_TIMEOUT, progress=None) -> Farm:
     """A local farm on loopback with ``devices`` simulated devices under
     ``key``; returns once every device answers.  The caller is connected to
     it.  ``cores``, ``threads``, ``device_args``: each device's (``dspx
-    serve`` options); ``progress(text)``: told each step."""
+    serve`` options); ``env``: more environment for the head and so for the
+    devices (``DSPX_CACHE``: the node's cache); ``progress(text)``: told
+    each step."""
     from . import actors
 
     if devices < 1:
@@ -199,7 +225,9 @@ def start(devices: int, key: str = DEFAULT_KEY, *, cores: int = 1, threads: int 
             "--disable-usage-stats", f"--object-store-memory={object_store_bytes}",
             f"--resources={json.dumps({actors.resource(key): devices})}", f"--temp-dir={work}/ray"]
     say(f"starting the Ray head node (on loopback, {os.cpu_count()} cpus)")
-    proc = _ray_start(args, log)
+    # The devices' directories (sockets, logs) go under the farm's, which stop() removes.
+    os.mkdir(os.path.join(work, "tmp"))
+    proc = _ray_start(args, log, {**os.environ, "TMPDIR": os.path.join(work, "tmp"), **(env or {})})
     log.close()
     farm = Farm("", proc.pid, work, key, devices)
     try:
