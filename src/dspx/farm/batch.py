@@ -128,22 +128,23 @@ def map(module, inputs: Mapping[str, np.ndarray] | Sequence[dict], *, key: str =
             if queue:
                 submit(name)
     while inflight:
-        done, _ = ray.wait(list(inflight), num_returns=1, timeout=timeout)
-        if not done:
+        if not ray.wait(list(inflight), num_returns=1, timeout=timeout)[0]:
             raise FarmError(f"no result from any device within {timeout:.0f} s ({len(inflight)} call(s) running)")
-        name, start, n = inflight.pop(done[0])
-        try:
-            outs = ray.get(done[0])
-        except ray.exceptions.RayError as e:
-            span = f"item {start}" if n == 1 else f"items {start}..{start + n - 1}"
-            raise FarmError(f"{span} failed on {name}: {_why(e)}") from None
-        for j, o in enumerate(outs):
-            r = results[start + j] = Result(start + j, **o)
-            if r.attempt > 1 and on_result is None:  # else the caller shows it
-                log.warning("item %d: attempt %d on %s (its device was lost and restarted)", r.index,
-                            r.attempt, r.device)
-            if on_result is not None:
-                on_result(r)
-        if queue:
-            submit(name)
+        done, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=0)  # every call back by now
+        for ref in done:
+            name, start, n = inflight.pop(ref)
+            try:
+                outs = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                span = f"item {start}" if n == 1 else f"items {start}..{start + n - 1}"
+                raise FarmError(f"{span} failed on {name}: {_why(e)}") from None
+            if queue:
+                submit(name)  # first: the device gets its next call before the driver reads this one
+            for j, o in enumerate(outs):
+                r = results[start + j] = Result(start + j, **o)
+                if r.attempt > 1 and on_result is None:  # else the caller shows it
+                    log.warning("item %d: attempt %d on %s (its device was lost and restarted)", r.index,
+                                r.attempt, r.device)
+                if on_result is not None:
+                    on_result(r)
     return results
