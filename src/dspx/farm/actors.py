@@ -179,7 +179,11 @@ def wait_ready(handles, timeout: float) -> list[dict]:
     ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
     if pending:
         raise FarmError(f"{len(pending)} of {len(refs)} device(s) did not start within {timeout:.0f} s")
-    return ray.get(ready)
+    try:
+        return ray.get(ready)
+    except ray.exceptions.RayError as e:  # a constructor that raised: the device did not start
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        raise FarmError(f"a device did not start: {lines[-1] if lines else type(e).__name__}") from None
 
 
 def find_devices(key: str | None = None) -> dict[str, object]:
