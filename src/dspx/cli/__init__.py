@@ -9,7 +9,7 @@ on stderr (with ``--json``: one JSON error object on stdout) and a non-zero
 exit, Ctrl-C → exit 130.  The commands live one module per group:
 ``device`` (serve, stop, ping, status, devices), ``info``, ``run``, ``compile``,
 ``ops`` (load-ops, unload-ops, ops, build-ops, sdk), ``llm`` (compile-llm, generate,
-chat, serve-llm) and ``serve_models`` (serve-models).
+chat, serve-llm), ``serve_models`` (serve-models) and ``farm`` (farm up, down, status, run).
 
 Shell completion (click's): ``eval "$(_DSPX_COMPLETE=bash_source dspx)"``
 (``zsh_source``, ``fish_source`` for those shells)."""
@@ -71,7 +71,8 @@ COMMANDS = (
     ("dspx.cli.ops", "sdk", "sdk"), ("dspx.cli.ops", "build_ops", "build-ops"),
     ("dspx.cli.llm", "compile_llm", "compile-llm"), ("dspx.cli.llm", "generate", "generate"),
     ("dspx.cli.llm", "chat", "chat"), ("dspx.cli.llm", "serve_llm", "serve-llm"),
-    ("dspx.cli.serve_models", "serve_models", "serve-models"))
+    ("dspx.cli.serve_models", "serve_models", "serve-models"),
+    ("dspx.cli.farm", "farm", "farm"))
 
 
 def _unavailable(name: str, error: ImportError) -> click.Command:

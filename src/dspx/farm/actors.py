@@ -1,0 +1,197 @@
+"""Device actors: one Ray actor per device, holding one unit of the
+``dspx:<key>`` resource, owning a simulated device process (a
+``PrivateDevice``) and a ``Client`` on it.
+
+- **Crashes.**  A device process that dies makes its actor exit; Ray restarts
+  the actor (``max_restarts``), which starts a fresh device, and retries the
+  call that was running and the calls queued behind it (``max_task_retries``).
+  Every result says which attempt produced it.
+- **Modules** cross to a node once: the driver ``ray.put``s a module's files
+  and hands the actor a reference; the first actor on a node that needs it
+  fetches it (under a lock) into the dspx cache, area ``farm``, by content
+  digest; every other actor there, and every later batch, finds it on disk.
+- **Status** answers while a call runs: ``info`` runs in its own concurrency
+  group, apart from the calls.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from .. import cache
+from ..errors import DeviceLost, DspxError
+
+MANIFEST = "farm-manifest.json"  # written last: its presence says a cached module is whole
+MAX_TASK_RETRIES = 2             # a call is tried up to 3 times: a device lost twice in one call is a bad input
+CACHE_AREA = "farm"
+
+
+def resource(key: str) -> str:
+    return f"dspx:{key}"
+
+
+def attempt_number() -> int:
+    """1 for a call's first run, 2 for its first retry ...  Ray keeps the
+    count in its core worker, not in a public API (hence the pinned minor
+    version in pyproject.toml)."""
+    from ray._private import worker
+
+    return int(worker.global_worker.core_worker.get_current_task_attempt_number()) + 1
+
+
+def module_files(module) -> dict[str, bytes]:
+    """The files of a compiled module that a device needs, by name: a
+    directory's regular files, or a ``.so`` with the metadata.json beside it."""
+    p = Path(module)
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
+    else:
+        files = [p] + ([p.parent / "metadata.json"] if (p.parent / "metadata.json").is_file() else [])
+    return {f.name: f.read_bytes() for f in files}
+
+
+def files_digest(files: dict[str, bytes]) -> str:
+    return cache.digest((), *[part for name in sorted(files) for part in (name, files[name])], length=24)
+
+
+@ray.remote(concurrency_groups={"control": 1, "run": 1})
+class DeviceActor:
+    """One device of the farm (created through ``spawn``)."""
+
+    def __init__(self, name: str, cores: int = 1, device_args=()):
+        from ..host.client import Client
+        from ..host.launcher import PrivateDevice
+
+        self.name = name
+        self.device = PrivateDevice(cores=cores, extra_args=device_args)
+        self.client = Client(self.device.path, timeout=120)
+        self.vms: dict[str, object] = {}
+        self.busy = 0
+        self.calls = 0
+        self.fetched = 0  # modules this actor brought to its node
+        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self._lock = threading.Lock()
+
+    @ray.method(concurrency_group="control")
+    def info(self) -> dict:
+        ctx = ray.get_runtime_context()
+        return {"device": self.name, "node": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
+                "pid": os.getpid(), "device_pid": self.device.proc.pid, "busy": self.busy > 0,
+                "calls": self.calls, "fetched": self.fetched, "restarted": self.restarted}
+
+    @ray.method(concurrency_group="run")
+    def run(self, digest: str, module_box: list, batch: list[dict]) -> list[dict]:
+        """Run the module (content ``digest``; ``module_box[0]`` the object
+        ref of its files, fetched only on a cache miss) once per input dict
+        of ``batch``; each result: outputs by name, node, device, attempt."""
+        with self._lock:
+            self.busy += 1
+            try:
+                vm = self._module(digest, module_box)
+                outs = [self._call(vm, inputs) for inputs in batch]
+            finally:
+                self.busy -= 1
+                self.calls += 1
+        where = {"node": ray.get_runtime_context().get_node_id(), "device": self.name, "attempt": attempt_number()}
+        return [{"outputs": o, **where} for o in outs]
+
+    def _call(self, vm, inputs: dict) -> dict:
+        try:
+            outs = vm[vm.entry](**inputs)
+        except DspxError as e:
+            self._exit_if_lost(e)
+            raise
+        outs = outs if isinstance(outs, list) else [outs]
+        return {spec.name: np.asarray(o) for spec, o in zip(vm.output_specs(), outs)}
+
+    def _exit_if_lost(self, e: Exception) -> None:
+        """A lost device ends this actor, so that Ray restarts it with a new
+        device and retries the call; any other error is the caller's."""
+        if isinstance(e, DeviceLost) or self.device.proc.poll() is not None:
+            self.device.stop(timeout=2.0)  # its directory; the process is gone or going
+            os._exit(1)
+
+    def _module(self, digest: str, module_box: list):
+        vm = self.vms.get(digest)
+        if vm is not None:
+            return vm
+        from ..host.vm import VirtualMachine
+
+        path = self._cached(digest, module_box)
+        manifest = json.loads((path / MANIFEST).read_text())
+        try:
+            vm = VirtualMachine(path / manifest["module"], client=self.client)
+        except DspxError as e:
+            self._exit_if_lost(e)
+            raise
+        self.vms[digest] = vm
+        return vm
+
+    def _cached(self, digest: str, module_box: list) -> Path:
+        """The module's directory in this node's cache, fetched into it by
+        the first actor on the node that needs it."""
+        area = cache.area(CACHE_AREA)
+        path = area / digest
+        area.mkdir(parents=True, exist_ok=True)
+        with open(area / f".{digest}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (path / MANIFEST).is_file():
+                files = ray.get(module_box[0])
+                if files_digest(files) != digest:
+                    raise DspxError(f"module {digest}: the files received do not match their digest")
+                cache.publish(path, lambda tmp: _write_module(tmp, files), complete=MANIFEST)
+                self.fetched += 1
+        return path
+
+
+def _write_module(tmp: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    so = next((n for n in files if n.endswith(".so")), None)
+    if so is None:
+        raise DspxError("the module has no .so file")
+    (tmp / MANIFEST).write_text(json.dumps({"module": so, "files": sorted(files)}))
+
+
+def spawn(key: str, index: int, cores: int = 1, threads: int = 1, device_args=()):
+    """Create device ``<key>-<index>``: a detached actor (it outlives the
+    driver that made it), named so any driver finds it."""
+    from .cluster import NAMESPACE
+
+    name = f"{key}-{index}"
+    args = ["--threads", str(threads), *map(str, device_args)]
+    return DeviceActor.options(name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+                           resources={resource(key): 1}, max_restarts=-1, max_task_retries=MAX_TASK_RETRIES,
+                           ).remote(name, cores, args)
+
+
+def wait_ready(handles, timeout: float) -> list[dict]:
+    """Every device's ``info`` once it answers (its device started)."""
+    from .cluster import FarmError
+
+    refs = [h.info.remote() for h in handles]
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    if pending:
+        raise FarmError(f"{len(pending)} of {len(refs)} device(s) did not start within {timeout:.0f} s")
+    try:
+        return ray.get(ready)
+    except ray.exceptions.RayError as e:  # a constructor that raised: the device did not start
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        raise FarmError(f"a device did not start: {lines[-1] if lines else type(e).__name__}") from None
+
+
+def find_devices(key: str | None = None) -> dict[str, object]:
+    """The farm's device actors (of ``key``, or all), by name in index order."""
+    from .cluster import NAMESPACE
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+    if key is not None:
+        names = [n for n in names if n.rpartition("-")[0] == key]
+    names.sort(key=lambda n: (n.rpartition("-")[0], int(n.rpartition("-")[2] or 0)))
+    return {n: ray.get_actor(n, namespace=NAMESPACE) for n in names}
