@@ -54,6 +54,7 @@ def enc(tok):
 def alone(llm, enc):
     """Each prompt on its own, one slot (the whole cache): greedy ids and every step's logits."""
     llm.set_slots(1)
+    llm.use_decode("serial")  # what a slot's lone rows run (set_slots); the parallel module sums in another order
     out = []
     for ids in enc:
         logits = [llm.prefill(ids, 0)]

@@ -225,6 +225,8 @@ class DeviceLLM:
         if n > 1 and "decode_batch" not in self.handles:
             raise LLMError(f"{self.dir} has no decode_batch module (compiled by an older dspx): "
                            f"compile it again for KV slots")
+        if n > 1:  # the batch sums each row in the serial decode's order: a lone row must run it too
+            self.use_decode("serial")
         self.slots, self.slot_tokens = n, per
         return per
 
