@@ -56,7 +56,7 @@ int main(void) {
         for (int k = 0; k < DSPX_DMA_CHANNELS; k++) {
             pthread_mutex_lock(&c->ch[k].mu);
             STORE(c->ch[k].done, c->ch[k].submitted);
-            c->ch[k].stop = 0; /* (its thread, never woken, is still waiting) */
+            STORE(c->ch[k].stop, 0); /* atomic: a worker that saw its stop flag read it unlocked (its thread, never woken, is still waiting) */
             pthread_mutex_unlock(&c->ch[k].mu);
         }
         dspx_rt_free(c);
