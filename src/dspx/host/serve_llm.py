@@ -249,14 +249,19 @@ class LLMService:
         """Tokens one request may use (prompt + answer): the context, or one KV slot's share of it."""
         return self.slots.slot_tokens if self.slots is not None else self.gen.context
 
-    def run(self, ids: list[int], params: dict, on_piece=None, cancelled=None):
-        """Generate on a worker thread (on a free KV slot with --parallel); returns the GenerationResult."""
+    def generator(self, ids: list[int]):
+        """A context giving the Generator to run ``ids`` on: the one Generator, or with
+        --parallel a free KV slot's (the one whose cache shares most of ``ids``)."""
         from contextlib import nullcontext
 
+        return self.slots.acquire(ids) if self.slots is not None else nullcontext(self.gen)
+
+    def run(self, ids: list[int], params: dict, on_piece=None, cancelled=None):
+        """Generate on a worker thread (on a free KV slot with --parallel); returns the GenerationResult."""
         from .llm import GenerationResult
 
         p = dict(params)
-        with self.slots.acquire(ids) if self.slots is not None else nullcontext(self.gen) as gen:
+        with self.generator(ids) as gen:
             max_tokens = p.pop("max_tokens") or gen.context - len(ids) + 1
             res = GenerationResult(len(ids))
             for _, piece in gen.stream(ids, max_tokens, result=res, reuse_cache=True, should_stop=cancelled, **p):

@@ -145,17 +145,13 @@ def finished(service, request, res, completion_tokens: int) -> None:
     request.state.tokens = (res.prompt_tokens, completion_tokens)
 
 
-def _slots_total(service) -> int:
-    return getattr(service, "parallel", 1)
-
-
 def _processing(service) -> int:
-    return min(service.waiting, _slots_total(service))
+    return min(service.waiting, service.parallel)
 
 
 def _slot_rows(service) -> list[dict]:
     """Per KV slot: id, tokens it holds, whether it answers, tokens cached (one row without --parallel)."""
-    if getattr(service, "slots", None) is not None:
+    if service.slots is not None:
         return service.slots.info()
     return [{"id": 0, "n_ctx": service.gen.context, "is_processing": service.waiting > 0,
              "cached_tokens": len(service.gen.cached)}]
@@ -309,12 +305,9 @@ def add_routes(app, service, authorize, read_body) -> None:
         return {"content": service.gen.tok.decode(ids)}
 
     def embed_all(inputs: list[list[int]]) -> list[np.ndarray]:
-        from contextlib import nullcontext
-
         if not embedder:
             embedder.append(Embedder(service.gen.llm.meta["gguf"]["path"]))
-        slots = getattr(service, "slots", None)
-        with slots.acquire([]) if slots is not None else nullcontext(service.gen) as gen:  # a KV slot of its own
+        with service.generator([]) as gen:  # with --parallel, a KV slot of its own
             try:
                 return [embedder[0].embed(gen.llm, ids) for ids in inputs]
             finally:
@@ -351,7 +344,7 @@ def add_routes(app, service, authorize, read_body) -> None:
                     "n_ctx": service.context, "model": service.model,
                     "params": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repeat_penalty": 1.0,
                                "repeat_last_n": 64, "n_predict": -1, "seed": -1}},
-                "total_slots": _slots_total(service), "model_path": str(gen.llm.dir),
+                "total_slots": service.parallel, "model_path": str(gen.llm.dir),
                 "chat_template": gen.tok.chat_template or "", "eos_token": gen.tok.id_to_token(gen.eos_id),
                 "build_info": f"dspx {__version__}", "modalities": {"vision": False, "audio": False}}
 
