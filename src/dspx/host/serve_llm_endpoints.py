@@ -204,8 +204,9 @@ class LoadingGate:
 
 
 class RequestLog:
-    """ASGI: one log line per request, once its answer is sent (a stream's at its end):
-    client, method, path, status, prompt+completion tokens and wall time."""
+    """ASGI: one log line per request, written just before its last byte is sent (a stream's at its
+    end), so a client holding its answer can always find the line: client, method, path, status,
+    prompt+completion tokens and wall time."""
 
     def __init__(self, app):
         self.app = app
@@ -213,20 +214,28 @@ class RequestLog:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        t0, status = time.perf_counter(), ["-"]
+        t0, status, logged = time.perf_counter(), ["-"], [False]
         state = scope.setdefault("state", {})
 
-        async def send_status(msg):
-            if msg["type"] == "http.response.start":
-                status[0] = msg["status"]
-            await send(msg)
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
+        def log_once():
+            if logged[0]:
+                return
+            logged[0] = True
             tokens = state.get("tokens")
             client = scope.get("client") or ("-", 0)
             request_log.info("%s %s %s %s %s %.3f s", client[0], scope["method"], scope["path"], status[0],
                              f"{tokens[0]}+{tokens[1]} tokens" if tokens else "-", time.perf_counter() - t0)
+
+        async def send_logged(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            elif msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                log_once()
+            await send(msg)
+        try:
+            await self.app(scope, receive, send_logged)
+        finally:
+            log_once()  # an app that failed before its last byte
 
 
 def _token_list(v, vocab: int, name: str) -> list[int]:
