@@ -86,25 +86,30 @@ def main() -> int:
     a = ap.parse_args()
     import tvm
     from dspx.compiler import llm as L
-    from dspx.compiler.target import make_target
+    from dspx.compiler.llm.tuning import prefill_tile_for
+    from dspx.compiler.target import cpu_features, make_target
 
     target = tvm.target.Target(make_target(L.LLM_TARGET))
+    lanes = L.vector_lanes(cpu_features(str(target.attrs["mcpu"])))
     rng = np.random.default_rng(0)
     d = L.Dims(**SMOLLM2)
-    ks = L.kernels(d, d.chunk, True)
+    tile = prefill_tile_for(d, target, lanes, here=True)  # what compile_llm picks on this machine
+    ks = L.kernels(d, d.chunk, True, tile=tuple(tile["tile"]))
     gemm = {"gemv_qkv": (d.dim, d.qkv), "gemv_o": (d.dim, d.dim), "gemv_gate_up": (d.dim, 2 * d.ffn),
             "gemv_down": (d.ffn, d.dim), "lm_head": (d.dim, d.vocab)}
     per_layer = ["rmsnorm", "gemv_qkv", "kv_write", "attention", "gemv_o", "rmsnorm", "gemv_gate_up", "silu_mul",
                  "gemv_down"]
     once = ["embed", "rmsnorm", "lm_head"]
-    results = {"rows": a.rows, "target": str(target.attrs["mcpu"]), "load_avg_start": os.getloadavg()[0],
+    results = {"rows": a.rows, "target": str(target.attrs["mcpu"]), "prefill_tile": tile,
+               "load_avg_start": os.getloadavg()[0],
                "prefill_us": {}, "decode_attention_us": {}}
     cost = {}
     for name in dict.fromkeys(per_layer + once):
         cost[name] = time_kernel(ks[name], name, target, random_args(ks[name], rng, a.rows), a.repeat)
         results["prefill_us"][name] = round(cost[name] * 1e6, 1)
     total = sum(cost[n] for n in per_layer) * d.n_layers + sum(cost[n] for n in once)
-    print(f"prefill chunk: {a.rows} real rows of {d.chunk}, {results['target']}, 1 thread, CPU time per call")
+    print(f"prefill chunk: {a.rows} real rows of {d.chunk}, {results['target']}, micro-tile "
+          f"{'x'.join(map(str, tile['tile']))} ({tile['chosen_by']}), 1 thread, CPU time per call")
     print(f"{'kernel':14s} {'us/call':>9s} {'calls':>6s} {'ms/chunk':>9s} {'share':>6s} {'GFLOP/s':>8s}")
     for name in dict.fromkeys(per_layer + once):
         calls = per_layer.count(name) * d.n_layers + once.count(name)

@@ -17,6 +17,8 @@ from dspx.compiler.module import (IO_META_NAME, SIGNATURE_NAME, Signature, Tenso
                                   make_io_meta, write_metadata, write_weights)
 
 from .graph import entry
+from .tir import vector_lanes
+from .tuning import prefill_tile_for
 from .sizing import Dims, LLMCompileError, check_kv_layout, dims_of
 from .weights import pack_weights
 
@@ -88,7 +90,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     ``cost_model`` (default ``$DSPX_COST_MODEL``): record the estimated prefill
     and decode tok/s on that profile's board in metadata "cost_estimate"."""
     from dspx.compiler.onnx import _Progress
-    from dspx.compiler.target import cpu_features, make_target
+    from dspx.compiler.target import cpu_features, make_target, missing_here
     from dspx.llm import read_gguf
 
     outdir = Path(outdir)
@@ -106,6 +108,8 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     outdir.mkdir(parents=True, exist_ok=True)
     with prog.stage("weights", f"write {WEIGHTS_FILE}"):
         digest = write_weights(outdir / WEIGHTS_FILE, weights)
+    with prog.stage("tile", "choose the prefill GEMM micro-tile"):
+        tile = prefill_tile_for(d, target, vector_lanes(features), here=not missing_here(features))
     entries = {}
     # Decode twice: GEMVs on one thread and on all of them; the host times both
     # at load and keeps the faster on that machine (two threads lose when the
@@ -116,7 +120,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     builds.append(("decode_batch", BATCH_ROWS, DECODE_BATCH_FILE, False))  # serve-llm --parallel's decode step
     for name, M, fname, parallel in builds:
         with prog.stage(f"build_{name}", f"build {name} (M={M}) for {target_dict['mcpu']}"):
-            mod = entry(d, M, weights, parallel, batch=name == "decode_batch")
+            mod = entry(d, M, weights, parallel, batch=name == "decode_batch", tile=tuple(tile["tile"]))
             record: dict = {}
             with target:
                 mod = _llm_pipeline(target, record)(mod)
@@ -155,7 +159,8 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
                "layout": "KV region base + i * tensor_bytes (the device packs KV outputs there, 64-aligned)",
                "tensors": kv_tensors, "k_rope": "pairwise (GGUF row order), applied before caching"},
         "modules": entries,
-        "compiler": {"digest": build_digest(), "tvm_version": tvm.__version__, "target": target_dict},
+        "compiler": {"digest": build_digest(), "tvm_version": tvm.__version__, "target": target_dict,
+                     "prefill_tile": tile},
     }
     cost = _cost_estimate(d, cost_model)
     if cost is not None:

@@ -11,15 +11,17 @@ from .sizing import Dims
 from .tir import kernels
 
 
-def entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv: bool, batch: bool = False):
+def entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv: bool, batch: bool = False,
+          tile: tuple[int, int] = (6, 64)):
     """IRModule whose ``main`` is one forward pass over M tokens (``batch``:
-    M decode rows, each a GEMV of its own, every real row's logits)."""
+    M decode rows, each a GEMV of its own, every real row's logits), its
+    prefill GEMMs on register micro-tiles of ``tile`` (rows, outputs)."""
     from tvm import relax
 
     def ty(shape, dtype):
         return relax.TensorType(shape, dtype)
 
-    ks = kernels(d, M, parallel_gemv, batch)
+    ks = kernels(d, M, parallel_gemv, batch, tile)
     bb = relax.BlockBuilder()
     gv = {name: bb.add_func(f, name) for name, f in ks.items()}
     ids = relax.Var("ids", ty((1, M), "int64"))

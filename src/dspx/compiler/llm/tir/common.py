@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from ..sizing import Dims
 
-PR = 6  # prefill GEMM micro-tile: 6 rows x 64 outputs = 24 AVX-512 accumulators
+PR = 6  # prefill GEMM micro-tile rows
+
+
+def prefill_tile(lanes: int) -> tuple[int, int]:
+    """(rows, outputs) of the prefill GEMM's register micro-tile for vectors of
+    ``lanes`` float32: 6 x 64 = 24 of AVX-512's 32 zmm; 6 x 16 = 12 of AVX2's
+    16 ymm (6 x 64 would take 48 ymm and spill every accumulator, ~21 GFLOP/s on
+    a Zen 3 core)."""
+    return (PR, 64) if lanes >= 16 else (PR, 2 * lanes)
+
+
+def vector_lanes(features) -> int:
+    """float32 lanes of the widest vectors a target's CPU features give: 16 with AVX-512, else 8 (AVX2)."""
+    return 16 if "avx512f" in features else 8
 # Scope of the kernels' small scratch buffers (< 1 KiB). TVM serves every
 # "local" allocation with TVMBackendAllocWorkspace (heap), which LLVM cannot
 # keep in registers: the accumulators went to memory on every FMA (prefill

@@ -4,14 +4,15 @@ outputs per tile in registers) and a prefill form (M rows)."""
 from __future__ import annotations
 
 from ..sizing import TN
-from .common import PR, REG
+from .common import REG
 
 
-def gemv_q4_1(M: int, K: int, N: int, parallel: bool, batch: bool = False):
-    """x (M, K) · W (K -> N) + res -> y (M, N); prefill and batch take the positions too."""
+def gemv_q4_1(M: int, K: int, N: int, parallel: bool, batch: bool = False, tile: tuple[int, int] = (6, 64)):
+    """x (M, K) · W (K -> N) + res -> y (M, N); prefill and batch take the positions too.
+    ``tile``: the prefill GEMM's register micro-tile (``prefill_tile``, ``tuning``)."""
     if M == 1:
         return _q4_1_decode(K, N, parallel)
-    return _q4_1_rows(M, K, N, parallel) if batch else _q4_1_prefill(M, K, N)
+    return _q4_1_rows(M, K, N, parallel) if batch else _q4_1_prefill(M, K, N, tile)
 
 
 def gemv_q8_0(M: int, K: int, N: int, parallel: bool, batch: bool = False):
@@ -263,11 +264,16 @@ def _q4_1_decode(K: int, N: int, parallel: bool):
     return f
 
 
-def _q4_1_prefill(M: int, K: int, N: int):
-    """Each tile's block dequantized once, then PR-row micro-tiles over the real rows."""
+def _q4_1_prefill(M: int, K: int, N: int, tile: tuple[int, int], parallel: bool = True):
+    """Each tile's block dequantized once, then ``tile`` = (PR rows, NV outputs)
+    register micro-tiles over the real rows (``prefill_tile``); ``parallel``
+    False only for timing one core (``tuning``)."""
     from tvm.script import tirx as T
 
     NB = K // 32
+    loop = T.parallel if parallel else T.serial
+    PR, NV = tile
+    assert PR % 2 == 0 and TN % NV == 0
     real_rows = _real_rows(M)
 
     @T.prim_func(private=True)
@@ -279,7 +285,7 @@ def _q4_1_prefill(M: int, K: int, N: int):
         # real rows come first (padding has position -1): compute only their PR-row groups
         nr = T.alloc_buffer((1,), "int32", scope=REG)
         real_rows(nr, pos, 0)
-        for no in T.parallel(N // TN):
+        for no in loop(N // TN):
             w = T.alloc_buffer((32, TN), "float32", scope="local")  # this block's tile, dequantized once
             for r in range(M):
                 for ni in T.vectorized(TN):
@@ -291,28 +297,31 @@ def _q4_1_prefill(M: int, K: int, N: int):
                                     * T.Cast("float32", dd[no, b, ni]) + T.Cast("float32", mm[no, b, ni]))
                         w[j + 16, ni] = (T.Cast("float32", T.shift_right(q[no, b, j, ni], T.uint8(4)))
                                          * T.Cast("float32", dd[no, b, ni]) + T.Cast("float32", mm[no, b, ni]))
-                # PR rows x 64 outputs held in registers (two stack buffers of PR/2 rows,
-                # each under TVM's 1 KiB stack limit); rows past M clamp to M-1 and
-                # compute that row's same value again
+                # PR rows x NV outputs held in registers (two stack buffers of PR/2 rows, each
+                # under TVM's 1 KiB stack limit), TN/NV of them across the tile; rows past M
+                # clamp to M-1 and compute that row's same value again.  Each output sums in
+                # the same order whatever the micro-tile, so every tile gives the same bits
                 for ro in range((nr[0] + PR - 1) // PR):
-                    a = T.alloc_buffer((PR // 2, TN), "float32", scope=REG)
-                    c = T.alloc_buffer((PR // 2, TN), "float32", scope=REG)
-                    for ri in T.unroll(PR // 2):
-                        for ni in T.vectorized(TN):
-                            a[ri, ni] = y[T.min(ro * PR + ri, M - 1), no * TN + ni]
-                            c[ri, ni] = y[T.min(ro * PR + PR // 2 + ri, M - 1), no * TN + ni]
-                    for k in range(32):
+                    for nc in range(TN // NV):
+                        a = T.alloc_buffer((PR // 2, NV), "float32", scope=REG)
+                        c = T.alloc_buffer((PR // 2, NV), "float32", scope=REG)
                         for ri in T.unroll(PR // 2):
-                            for ni in T.vectorized(TN):
-                                a[ri, ni] = a[ri, ni] + w[k, ni] * x[T.min(ro * PR + ri, M - 1), b * 32 + k]
+                            for ni in T.vectorized(NV):
+                                a[ri, ni] = y[T.min(ro * PR + ri, M - 1), no * TN + nc * NV + ni]
+                                c[ri, ni] = y[T.min(ro * PR + PR // 2 + ri, M - 1), no * TN + nc * NV + ni]
+                        for k in range(32):
+                            for ri in T.unroll(PR // 2):
+                                for ni in T.vectorized(NV):
+                                    a[ri, ni] = (a[ri, ni]
+                                                 + w[k, nc * NV + ni] * x[T.min(ro * PR + ri, M - 1), b * 32 + k])
+                            for ri in T.unroll(PR // 2):
+                                for ni in T.vectorized(NV):
+                                    c[ri, ni] = (c[ri, ni] + w[k, nc * NV + ni]
+                                                 * x[T.min(ro * PR + PR // 2 + ri, M - 1), b * 32 + k])
                         for ri in T.unroll(PR // 2):
-                            for ni in T.vectorized(TN):
-                                c[ri, ni] = (c[ri, ni]
-                                             + w[k, ni] * x[T.min(ro * PR + PR // 2 + ri, M - 1), b * 32 + k])
-                    for ri in T.unroll(PR // 2):
-                        for ni in T.vectorized(TN):
-                            y[T.min(ro * PR + ri, M - 1), no * TN + ni] = a[ri, ni]
-                            y[T.min(ro * PR + PR // 2 + ri, M - 1), no * TN + ni] = c[ri, ni]
+                            for ni in T.vectorized(NV):
+                                y[T.min(ro * PR + ri, M - 1), no * TN + nc * NV + ni] = a[ri, ni]
+                                y[T.min(ro * PR + PR // 2 + ri, M - 1), no * TN + nc * NV + ni] = c[ri, ni]
     return f
 
 
