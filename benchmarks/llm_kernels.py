@@ -94,7 +94,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     d = L.Dims(**SMOLLM2)
     tile = prefill_tile_for(d, target, lanes, here=True)  # what compile_llm picks on this machine
-    ks = L.kernels(d, d.chunk, True, tile=tuple(tile["tile"]))
+    ks = L.kernels(d, d.chunk, True, tile=tuple(tile["tile"]), lanes=lanes)
     gemm = {"gemv_qkv": (d.dim, d.qkv), "gemv_o": (d.dim, d.dim), "gemv_gate_up": (d.dim, 2 * d.ffn),
             "gemv_down": (d.ffn, d.dim), "lm_head": (d.dim, d.vocab)}
     per_layer = ["rmsnorm", "gemv_qkv", "kv_write", "attention", "gemv_o", "rmsnorm", "gemv_gate_up", "silu_mul",
@@ -128,7 +128,7 @@ def main() -> int:
         ctx = L.largest_context(d.n_layers, d.n_kv, d.head_dim, kd)
         cases = {}
         for lay in L.KV_LAYOUTS:
-            f = L.kernels(L.Dims(**SMOLLM2, context=ctx, kv_dtype=kd, kv_layout=lay), 1, False)["attention"]
+            f = L.kernels(L.Dims(**SMOLLM2, context=ctx, kv_dtype=kd, kv_layout=lay), 1, False, lanes=lanes)["attention"]
             fn = build(f, "attention", target)
             for at in (ctx - 1, 37):
                 cases[lay, at] = (fn, random_args(f, rng, 1, pos0=at, kv_layout=lay))

@@ -108,8 +108,9 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     outdir.mkdir(parents=True, exist_ok=True)
     with prog.stage("weights", f"write {WEIGHTS_FILE}"):
         digest = write_weights(outdir / WEIGHTS_FILE, weights)
+    lanes = vector_lanes(features)
     with prog.stage("tile", "choose the prefill GEMM micro-tile"):
-        tile = prefill_tile_for(d, target, vector_lanes(features), here=not missing_here(features))
+        tile = prefill_tile_for(d, target, lanes, here=not missing_here(features))
     entries = {}
     # Decode twice: GEMVs on one thread and on all of them; the host times both
     # at load and keeps the faster on that machine (two threads lose when the
@@ -120,7 +121,8 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     builds.append(("decode_batch", BATCH_ROWS, DECODE_BATCH_FILE, False))  # serve-llm --parallel's decode step
     for name, M, fname, parallel in builds:
         with prog.stage(f"build_{name}", f"build {name} (M={M}) for {target_dict['mcpu']}"):
-            mod = entry(d, M, weights, parallel, batch=name == "decode_batch", tile=tuple(tile["tile"]))
+            mod = entry(d, M, weights, parallel, batch=name == "decode_batch", tile=tuple(tile["tile"]),
+                        lanes=lanes)
             record: dict = {}
             with target:
                 mod = _llm_pipeline(target, record)(mod)

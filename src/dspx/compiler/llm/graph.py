@@ -12,16 +12,17 @@ from .tir import kernels
 
 
 def entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv: bool, batch: bool = False,
-          tile: tuple[int, int] = (6, 64)):
+          tile: tuple[int, int] = (6, 64), lanes: int = 16):
     """IRModule whose ``main`` is one forward pass over M tokens (``batch``:
     M decode rows, each a GEMV of its own, every real row's logits), its
-    prefill GEMMs on register micro-tiles of ``tile`` (rows, outputs)."""
+    prefill GEMMs on register micro-tiles of ``tile`` (rows, outputs), its
+    decode GEMVs sliced for vectors of ``lanes`` float32."""
     from tvm import relax
 
     def ty(shape, dtype):
         return relax.TensorType(shape, dtype)
 
-    ks = kernels(d, M, parallel_gemv, batch, tile)
+    ks = kernels(d, M, parallel_gemv, batch, tile, lanes)
     bb = relax.BlockBuilder()
     gv = {name: bb.add_func(f, name) for name, f in ks.items()}
     ids = relax.Var("ids", ty((1, M), "int64"))

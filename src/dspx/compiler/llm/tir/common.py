@@ -15,6 +15,12 @@ def prefill_tile(lanes: int) -> tuple[int, int]:
     return (PR, 64) if lanes >= 16 else (PR, 2 * lanes)
 
 
+def decode_slice(lanes: int) -> int:
+    """Outputs per slice of a decode GEMV tile: its two partial sums in registers take
+    8 of AVX-512's 32 zmm at 64, 8 of AVX2's 16 ymm at 32 (at 64, 16: every one spilled)."""
+    return min(64, 4 * lanes)
+
+
 def vector_lanes(features) -> int:
     """float32 lanes of the widest vectors a target's CPU features give: 16 with AVX-512, else 8 (AVX2)."""
     return 16 if "avx512f" in features else 8

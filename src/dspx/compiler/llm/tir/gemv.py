@@ -4,29 +4,33 @@ outputs per tile in registers) and a prefill form (M rows)."""
 from __future__ import annotations
 
 from ..sizing import TN
-from .common import REG
+from .common import REG, decode_slice
 
 
-def gemv_q4_1(M: int, K: int, N: int, parallel: bool, batch: bool = False, tile: tuple[int, int] = (6, 64)):
+def gemv_q4_1(M: int, K: int, N: int, parallel: bool, batch: bool = False, tile: tuple[int, int] = (6, 64),
+              lanes: int = 16):
     """x (M, K) · W (K -> N) + res -> y (M, N); prefill and batch take the positions too.
-    ``tile``: the prefill GEMM's register micro-tile (``prefill_tile``, ``tuning``)."""
+    ``tile``: the prefill GEMM's register micro-tile (``prefill_tile``, ``tuning``);
+    ``lanes``: the target's float32 vector lanes, which size the decode slices (``decode_slice``)."""
     if M == 1:
-        return _q4_1_decode(K, N, parallel)
+        return _q4_1_decode(K, N, parallel, decode_slice(lanes))
     return _q4_1_rows(M, K, N, parallel) if batch else _q4_1_prefill(M, K, N, tile)
 
 
-def gemv_q8_0(M: int, K: int, N: int, parallel: bool, batch: bool = False):
+def gemv_q8_0(M: int, K: int, N: int, parallel: bool, batch: bool = False, lanes: int = 16):
     """The LM head: x (M, K) · W (K -> N) -> logits (1, M, N)."""
     if M == 1:
-        return _q8_0_decode(K, N, parallel)
-    return _q8_0_rows(M, K, N, parallel) if batch else _q8_0_prefill(M, K, N)
+        return _q8_0_decode(K, N, parallel, decode_slice(lanes))
+    return _q8_0_rows(M, K, N, parallel) if batch else _q8_0_prefill(M, K, N, decode_slice(lanes))
 
 
-def _tile_dot(NB: int, q4: bool):
+def _tile_dot(NB: int, q4: bool, DV: int = TN):
     """Macro: acc (TN,) = one TN-output tile ``no`` of W times row ``row`` of x.
     Two partial sums per block (s[0], s[1]): 8 independent FMA chains per tile
     instead of 4 (latency, not throughput, bound).  Q4_1 also takes mm and
-    xs (the block sums of x, for the m·Σx term); Q8_0 passes None for them."""
+    xs (the block sums of x, for the m·Σx term); Q8_0 passes None for them.
+    Each block runs in TN/DV slices of DV outputs, s (2, DV) in registers
+    (``decode_slice``); every output sums in the same order whatever DV."""
     from tvm.script import tirx as T
 
     @T.macro
@@ -34,27 +38,33 @@ def _tile_dot(NB: int, q4: bool):
         for ni in T.vectorized(TN):
             acc[ni] = T.float32(0)
         for b in range(NB):
-            for h in T.unroll(2):
-                for ni in T.vectorized(TN):
-                    s[h, ni] = T.float32(0)
-            if q4:  # low nibbles into s[0], high into s[1]
-                for j in range(16):
-                    for ni in T.vectorized(TN):
-                        s[0, ni] = s[0, ni] + (T.Cast("float32", T.bitwise_and(q[no, b, j, ni], T.uint8(15)))
-                                               * x[row, b * 32 + j])
-                    for ni in T.vectorized(TN):
-                        s[1, ni] = s[1, ni] + (T.Cast("float32", T.shift_right(q[no, b, j, ni], T.uint8(4)))
-                                               * x[row, b * 32 + 16 + j])
-                for ni in T.vectorized(TN):
-                    acc[ni] = (acc[ni] + T.Cast("float32", dd[no, b, ni]) * (s[0, ni] + s[1, ni])
-                               + T.Cast("float32", mm[no, b, ni]) * xs[row, b])
-            else:  # even and odd elements
-                for j in range(16):
-                    for h in T.unroll(2):
-                        for ni in T.vectorized(TN):
-                            s[h, ni] = s[h, ni] + T.Cast("float32", q[no, b, 2 * j + h, ni]) * x[row, b * 32 + 2 * j + h]
-                for ni in T.vectorized(TN):
-                    acc[ni] = acc[ni] + T.Cast("float32", dd[no, b, ni]) * (s[0, ni] + s[1, ni])
+            for hv in T.unroll(TN // DV):
+                for h in T.unroll(2):
+                    for ni in T.vectorized(DV):
+                        s[h, ni] = T.float32(0)
+                if q4:  # low nibbles into s[0], high into s[1]
+                    for j in range(16):
+                        for ni in T.vectorized(DV):
+                            s[0, ni] = s[0, ni] + (T.Cast("float32", T.bitwise_and(q[no, b, j, hv * DV + ni],
+                                                                                   T.uint8(15)))
+                                                   * x[row, b * 32 + j])
+                        for ni in T.vectorized(DV):
+                            s[1, ni] = s[1, ni] + (T.Cast("float32", T.shift_right(q[no, b, j, hv * DV + ni],
+                                                                                   T.uint8(4)))
+                                                   * x[row, b * 32 + 16 + j])
+                    for ni in T.vectorized(DV):
+                        acc[hv * DV + ni] = (acc[hv * DV + ni]
+                                             + T.Cast("float32", dd[no, b, hv * DV + ni]) * (s[0, ni] + s[1, ni])
+                                             + T.Cast("float32", mm[no, b, hv * DV + ni]) * xs[row, b])
+                else:  # even and odd elements
+                    for j in range(16):
+                        for h in T.unroll(2):
+                            for ni in T.vectorized(DV):
+                                s[h, ni] = (s[h, ni] + T.Cast("float32", q[no, b, 2 * j + h, hv * DV + ni])
+                                            * x[row, b * 32 + 2 * j + h])
+                    for ni in T.vectorized(DV):
+                        acc[hv * DV + ni] = (acc[hv * DV + ni]
+                                             + T.Cast("float32", dd[no, b, hv * DV + ni]) * (s[0, ni] + s[1, ni]))
     return dot
 
 
@@ -241,12 +251,12 @@ def _q8_0_rows(M: int, K: int, N: int, parallel: bool):
     return _rows_gemv(M, K, N, parallel, False)
 
 
-def _q4_1_decode(K: int, N: int, parallel: bool):
+def _q4_1_decode(K: int, N: int, parallel: bool, DV: int = TN):
     from tvm.script import tirx as T
 
     NB = K // 32
     loop = T.parallel if parallel else T.serial
-    dot, block_sums = _tile_dot(NB, True), _block_sums(NB)
+    dot, block_sums = _tile_dot(NB, True, DV), _block_sums(NB)
 
     @T.prim_func(private=True)
     def f(x: T.Buffer((1, K), "float32"), q: T.Buffer((N // TN, NB, 16, TN), "uint8"),
@@ -257,7 +267,7 @@ def _q4_1_decode(K: int, N: int, parallel: bool):
         block_sums(xs, x, 1)
         for no in loop(N // TN):
             acc = T.alloc_buffer((TN,), "float32", scope=REG)
-            s = T.alloc_buffer((2, TN), "float32", scope=REG)
+            s = T.alloc_buffer((2, DV), "float32", scope=REG)
             dot(acc, s, x, 0, q, dd, mm, xs, no)
             for ni in T.vectorized(TN):
                 y[0, no * TN + ni] = res[0, no * TN + ni] + acc[ni]
@@ -325,7 +335,7 @@ def _q4_1_prefill(M: int, K: int, N: int, tile: tuple[int, int], parallel: bool 
     return f
 
 
-def _q8_0_decode(K: int, N: int, parallel: bool):
+def _q8_0_decode(K: int, N: int, parallel: bool, DV: int = TN):
     from tvm.script import tirx as T
 
     NB = K // 32
@@ -333,7 +343,7 @@ def _q8_0_decode(K: int, N: int, parallel: bool):
     # device's front process, a parallel LM head was no faster (TVM's
     # workers spin on the CPU the IPC needs).
     loop = T.parallel if parallel else T.serial
-    dot = _tile_dot(NB, False)
+    dot = _tile_dot(NB, False, DV)
     M = 1  # one row, in the (1, M, N) logits of both forms
 
     @T.prim_func(private=True)
@@ -342,20 +352,20 @@ def _q8_0_decode(K: int, N: int, parallel: bool):
         T.func_attr({"tir.noalias": True})
         for no in loop(N // TN):
             acc = T.alloc_buffer((TN,), "float32", scope=REG)
-            s = T.alloc_buffer((2, TN), "float32", scope=REG)
+            s = T.alloc_buffer((2, DV), "float32", scope=REG)
             dot(acc, s, x, 0, q, dd, None, None, no)
             for ni in T.vectorized(TN):
                 y[0, 0, no * TN + ni] = acc[ni]
     return f
 
 
-def _q8_0_prefill(M: int, K: int, N: int):
+def _q8_0_prefill(M: int, K: int, N: int, DV: int = TN):
     """The host reads only the last real row's logits, so only that row is
     computed (one GEMV, parallel over tiles); the other rows are zero."""
     from tvm.script import tirx as T
 
     NB = K // 32
-    dot = _tile_dot(NB, False)
+    dot = _tile_dot(NB, False, DV)
     real_rows = _real_rows(M)
 
     @T.prim_func(private=True)
@@ -367,7 +377,7 @@ def _q8_0_prefill(M: int, K: int, N: int):
         real_rows(nr, pos, 1)
         for no in T.parallel(N // TN):
             acc = T.alloc_buffer((TN,), "float32", scope=REG)
-            s = T.alloc_buffer((2, TN), "float32", scope=REG)
+            s = T.alloc_buffer((2, DV), "float32", scope=REG)
             last = nr[0] - 1
             dot(acc, s, x, last, q, dd, None, None, no)
             for r in range(M):

@@ -1,8 +1,9 @@
-"""The LLM prefill GEMM on every register micro-tile it can be built with:
-each gives the numpy reference's values and the very same bits as the
-others, for AVX2 and AVX-512 code alike (whichever this CPU can run; the
-rest is compiled and its CPU features named), and the measured choice of
-the tile is cached per CPU."""
+"""The LLM's GEMMs on every register tiling they can be built with (the
+prefill micro-tiles, the decode GEMV slices): each gives the numpy
+reference's values and the very same bits as the others, for AVX2 and
+AVX-512 code alike (whichever this CPU can run; the rest is compiled and its
+CPU features named), and the measured choice of the prefill tile is cached
+per CPU."""
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ pytest.importorskip("tvm")
 
 import tvm  # noqa: E402
 
-from dspx.compiler.llm import Dims, prefill_tile, vector_lanes  # noqa: E402
-from dspx.compiler.llm.tir.gemv import _q4_1_prefill  # noqa: E402
+from dspx.compiler.llm import Dims, decode_slice, prefill_tile, vector_lanes  # noqa: E402
+from dspx.compiler.llm.tir.gemv import _q4_1_decode, _q4_1_prefill, _q8_0_decode  # noqa: E402
 from dspx.compiler.llm.tuning import CANDIDATES, prefill_tile_for  # noqa: E402
 from dspx.compiler.target import cpu_features  # noqa: E402
 from dspx.device.core.cpu import missing_features  # noqa: E402
@@ -74,6 +75,32 @@ def test_every_micro_tile_gives_the_reference_and_the_same_bits(mcpu):
         np.testing.assert_allclose(first, want[:rows], rtol=1e-5, atol=1e-4)
         for t in tiles[1:]:
             assert np.array_equal(outs[t][:rows], first), f"tile {t} differs from {tiles[0]} at {rows} rows"
+
+
+@pytest.mark.parametrize("mcpu", sorted(TARGETS))
+def test_every_decode_slice_gives_the_reference_and_the_same_bits(mcpu):
+    assert decode_slice(TARGETS[mcpu]) in (32, 64)
+    if missing_features(cpu_features(mcpu)):
+        return  # compiled by the test above; this CPU cannot run it
+    (x, _, q, d, m, res, _), want = _problem(1)
+    rng = np.random.default_rng(7)
+    q8 = rng.integers(-128, 128, (N // 64, K // 32, 32, 64), dtype=np.int8)
+    w8 = q8.astype(np.float64) * d.astype(np.float64)[:, :, None, :]  # (tile, block, element, lane)
+    want8 = x[:1].astype(np.float64) @ w8.transpose(1, 2, 0, 3).reshape(K, N)
+    outs = {}
+    for dv in (64, 32, 16):
+        for name, f, args in (("q4_1", _q4_1_decode(K, N, False, dv), [x[:1], q, d, m, res[:1]]),
+                              ("q8_0", _q8_0_decode(K, N, False, dv), [x[:1], q8, d])):
+            fn = tvm.compile(tvm.IRModule({"g": f.with_attr("global_symbol", "g")}),
+                             target={"kind": "llvm", "mcpu": mcpu})["g"]
+            out = np.zeros((1, N) if name == "q4_1" else (1, 1, N), np.float32)
+            targs = [tvm.runtime.tensor(a) for a in args + [out]]
+            fn(*targs)
+            outs[name, dv] = targs[-1].numpy().reshape(1, N)
+    np.testing.assert_allclose(outs["q4_1", 64], want[:1], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(outs["q8_0", 64], want8, rtol=1e-5, atol=1e-4)
+    for name, dv in outs:
+        assert np.array_equal(outs[name, dv], outs[name, 64]), f"{name} slice {dv} differs from 64"
 
 
 def test_the_register_count_tiles_fit_the_register_files():
