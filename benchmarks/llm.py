@@ -268,6 +268,24 @@ SIMD_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_
               "amx_int8")
 
 
+def read_bandwidth() -> float:
+    """GB/s of a 2-thread read of 512 MiB (numpy's sum releases the GIL), best of 3."""
+    import threading
+
+    a = np.ones(128 << 20, np.float32)
+    halves = np.split(a, 2)
+    best = float("inf")
+    for _ in range(3):
+        ts = [threading.Thread(target=np.add.reduce, args=(h,)) for h in halves]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
 def cpu_info() -> dict:
     """This CPU: its model name, LLVM's name for it, and the SIMD flags the kernels care about."""
     from dspx.compiler.llm.tuning import cpu_model
@@ -418,6 +436,14 @@ def main() -> int:
         print(f"compile: {results['compile_s']} s; load (modules + weights): {results['load_s']} s")
     if not isinstance(lc, dict):
         print(f"llama.cpp: {lc}")
+    bw = read_bandwidth()
+    wbytes = os.path.getsize(os.path.join(model_dir, "weights.bin"))  # every weight is read once per token
+    results["memory"] = {"read_gb_s": round(bw, 1), "weights_bytes": wbytes,
+                         "decode_gb_s": {k: round(wbytes * x["decode_tok_s_resident"] / 1e9, 1)
+                                         for k, x in (("f32 KV", d), ("f16 KV", h), ("int8 KV", q))}}
+    print(f"decode reads {wbytes / 2**20:.0f} MiB of weights per token: "
+          + ", ".join(f"{k} {v} GB/s" for k, v in results["memory"]["decode_gb_s"].items())
+          + f", against {bw:.1f} GB/s read bandwidth (numpy sum over 512 MiB, 2 threads, measured now)")
     print(f"load average {results['load_avg_start']:.2f} -> {results['load_avg_end']:.2f} on {results['cpus']} CPUs")
     out = write_json("llm.json", results)
     print(f"wrote {out}")

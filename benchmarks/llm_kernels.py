@@ -79,6 +79,15 @@ def time_kernel(func, name, target, args, repeat):
     return time_calls(build(func, name, target), args, repeat)
 
 
+def cpu_mhz() -> float | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^cpu MHz\s*:\s*([\d.]+)", f.read(), re.M)
+        return float(m.group(1)) if m else None
+    except OSError:
+        return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=37, help="real rows of the prefill chunk (the rest is padding)")
@@ -121,6 +130,11 @@ def main() -> int:
         print(f"{name:14s} {cost[name] * 1e6:9.1f} {calls:6d} {cost[name] * calls * 1e3:9.2f} "
               f"{cost[name] * calls / total:6.1%} {gf:>8s}")
     print(f"{'total':14s} {'':9s} {'':6s} {total * 1e3:9.2f}  -> {a.rows / total:.0f} tok/s on one core")
+    mhz = cpu_mhz()
+    if mhz:  # two FMA pipes of `lanes` float32, 2 flops each, at the clock /proc/cpuinfo reports
+        peak = 2 * 2 * lanes * mhz / 1e3
+        results["fma_peak_gflop_s_one_core"] = round(peak, 1)
+        print(f"nominal FMA peak of one core: {peak:.0f} GFLOP/s (2 pipes x {lanes} float32 x 2 flops x {mhz:.0f} MHz)")
     results["prefill_ms_one_core"] = round(total * 1e3, 2)
     print("\ndecode attention at the last position of each KV dtype's context and at 37, one layer, 1 thread, "
           f"per KV layout (medians of {ROUNDS} interleaved rounds):")
