@@ -121,3 +121,7 @@ def test_the_measured_tile_is_cached_per_cpu(tmp_path, monkeypatch):
     (cached,) = (tmp_path / "llm-tiles").glob("*.json")
     cached.write_text(json.dumps({**choice, "tile": [2, 32], "chosen_by": "planted"}))
     assert prefill_tile_for(d, target, 8, here=True)["chosen_by"] == "planted"  # read back, not timed again
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("DSPX_CACHE", str(blocked / "cache"))  # a cache that cannot be made: timed, not cached
+    assert tuple(prefill_tile_for(d, target, 8, here=True)["tile"]) in CANDIDATES[8]
