@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,7 @@ class Device:
             self.proc.terminate()
             self.proc.wait(10)
         self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)  # its socket and log: every CI run left ~140 behind in /tmp
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,10 +59,11 @@ def test_a_users_profile_file_is_printed_and_a_bad_one_is_one_line(tmp_path):
 @pytest.fixture
 def served(request):
     """`dspx serve --socket P [--cost-model NAME]` in the background."""
-    procs = []
+    procs, dirs = [], []
 
     def start(*extra):
         d = tempfile.mkdtemp(prefix="dspx-test-")
+        dirs.append(d)
         path = os.path.join(d, "dsp0.sock")
         env = {k: v for k, v in os.environ.items() if k != "DSPX_COST_MODEL"}
         p = subprocess.Popen([sys.executable, "-m", "dspx.cli", "serve", "--socket", path, "--carveout-size", "64M",
@@ -78,6 +80,8 @@ def served(request):
     for p in procs:
         p.terminate()
         p.wait(10)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _two_softmax_calls(socket: str) -> list[dict]:
@@ -116,7 +120,9 @@ def test_serve_without_a_cost_model_counts_nothing(served):
 
 
 def test_serve_refuses_an_unknown_profile_before_it_starts():
-    r = dspx("serve", "--socket", os.path.join(tempfile.mkdtemp(), "s.sock"), "--cost-model", "no-such-board")
+    d = tempfile.mkdtemp()
+    r = dspx("serve", "--socket", os.path.join(d, "s.sock"), "--cost-model", "no-such-board")
+    shutil.rmtree(d)
     assert r.returncode == 1 and "no-such-board" in r.stderr and "Traceback" not in r.stderr
 
 

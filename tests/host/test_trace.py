@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,7 @@ def traced(compiled):
         dev.wait(10)
         log.close()
     data = json.loads(Path(out).read_text())
+    shutil.rmtree(d, ignore_errors=True)
     return data, int(r.stdout.split("rpc seq")[1])
 
 
@@ -274,6 +276,7 @@ def test_dspx_run_trace_has_the_device_spans_of_its_calls_every_time(compiled, t
         dev.terminate()
         dev.wait(10)
         log.close()
+        shutil.rmtree(d, ignore_errors=True)
     assert parts_dir(out).is_dir()  # the device was alive at every merge: its part stays
 
 
