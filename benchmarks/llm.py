@@ -18,9 +18,11 @@ What is measured (wall clock in the host process, medians of --repeat runs):
   context-N … context-1 (after prefilling context-N tokens), and its ratio to
   decode at position 37 (goal >= 0.8).
 - every KV dtype: float32 (context 256), float16 (512) and int8 (1,024), each
-  its own compiled package and device, all three loaded at once and measured
-  in interleaved rounds (each round measures each package in turn; medians
-  over the rounds), so the three rows share the machine's state.  Each load
+  its own compiled package and device, with decode's default int8
+  activations, and a fourth package with float32 ones (f32 KV: what the
+  exact arithmetic costs), all four loaded at once and measured in
+  interleaved rounds (each round measures each package in turn; medians
+  over the rounds), so the rows share the machine's state.  Each load
   picks its decode module (GEMVs on one thread or all) by timing both
   (``decode_choice``; force with DSPX_LLM_DECODE=serial|parallel).  The KV
   layout is compiler/llm's default ("blocked"; DSPX_LLM_KV_LAYOUT=rows for
@@ -356,7 +358,8 @@ def main() -> int:
         return 0
 
     dirs = {"dspx": model_dir, "dspx_f16kv": compiled_dir(progress=True, context=512, kv_dtype="float16"),
-            "dspx_int8kv": compiled_dir(progress=True, context=1024, kv_dtype="int8")}
+            "dspx_int8kv": compiled_dir(progress=True, context=1024, kv_dtype="int8"),
+            "dspx_f32act": compiled_dir(progress=True, decode_activations="float32")}
     try:
         peers = {f"llama_cpp_{t}t": LlamaCpp(t) for t in (1, 2)}
     except ImportError:
@@ -367,7 +370,7 @@ def main() -> int:
     else:
         results["llama_cpp"] = "skipped: llama-cpp-python is not installed (building it takes ~15 min)"
     results["load_s"] = results["dspx"].pop("load_s")
-    for key in ("dspx_f16kv", "dspx_int8kv"):
+    for key in ("dspx_f16kv", "dspx_int8kv", "dspx_f32act"):
         results[key]["same_tokens_as_f32kv"] = results[key]["ids_resident"] == results["dspx"]["ids_resident"]
 
     if not a.no_reference:
@@ -393,7 +396,7 @@ def main() -> int:
         results["reference"] = rr
     results["load_avg_end"] = os.getloadavg()[0]
 
-    d, h, q = results["dspx"], results["dspx_f16kv"], results["dspx_int8kv"]
+    d, h, q, fa = results["dspx"], results["dspx_f16kv"], results["dspx_int8kv"], results["dspx_f32act"]
     lc = results["llama_cpp"]
     base = lc.get("2 threads") if isinstance(lc, dict) else None
 
@@ -403,6 +406,8 @@ def main() -> int:
              h["decode_tok_s_resident"], h["decode_tok_s_end_of_context"], h["bytes_per_token_resident"]),
             (f"dspx int8 KV (ctx {q['context']})", q["prefill_tok_s_37"], q["prefill_tok_s_256"],
              q["decode_tok_s_resident"], q["decode_tok_s_end_of_context"], q["bytes_per_token_resident"]),
+            ("dspx f32 KV, f32 activations", fa["prefill_tok_s_37"], fa["prefill_tok_s_256"],
+             fa["decode_tok_s_resident"], fa["decode_tok_s_end_of_context"], fa["bytes_per_token_resident"]),
             ("dspx f32 KV non-resident", "", "", d["decode_tok_s_non_resident"], "",
              d["bytes_per_token_non_resident"])]
     if "reference" in results:
@@ -414,11 +419,11 @@ def main() -> int:
             rows.append(("llama.cpp, " + th, r["prefill_tok_s_37"], r["prefill_tok_s_256"], r["decode_tok_s"], "",
                          ""))
     print()
-    print(f"{'':28s} {'prefill 37':>11s} {'prefill 256':>12s} {'decode':>9s} {'decode@end':>11s} "
+    print(f"{'':30s} {'prefill 37':>11s} {'prefill 256':>12s} {'decode':>9s} {'decode@end':>11s} "
           f"{'bytes/token':>12s}")
     for name, p1, p2, dd, de, b in rows:
-        print(f"{name:28s} {p1!s:>11s} {p2!s:>12s} {dd!s:>9s} {de!s:>11s} {b if b == '' else f'{b:,}':>12s}")
-    for name, x in (("f32 KV", d), ("f16 KV", h), ("int8 KV", q)):
+        print(f"{name:30s} {p1!s:>11s} {p2!s:>12s} {dd!s:>9s} {de!s:>11s} {b if b == '' else f'{b:,}':>12s}")
+    for name, x in (("f32 KV", d), ("f16 KV", h), ("int8 KV", q), ("f32 KV, f32 activations", fa)):
         if base:  # paired per round: the median of (llama.cpp's time / dspx's time) over the rounds
             v = x["per_round_vs"]["llama_cpp_2t"]
             x["vs_llama_cpp_2t"] = {"prefill_tok_s_37": v["prefill_37"], "prefill_tok_s_256": v["prefill_256"],
@@ -430,7 +435,8 @@ def main() -> int:
             print(f"dspx {name}: decode at the end of the context / at 37: {x['end_of_context_ratio']}x (goal 0.8x)")
     print(f"(tok/s; decode = {n} greedy tokens from position 37, decode@end = {n} tokens ending at the context; "
           f"KV-resident / non-resident = {d['resident_speedup']}x, same tokens: {d['same_tokens']}; same tokens as "
-          f"f32 KV: f16 {h['same_tokens_as_f32kv']}, int8 {q['same_tokens_as_f32kv']}; decode modules chosen at "
+          f"f32 KV: f16 {h['same_tokens_as_f32kv']}, int8 {q['same_tokens_as_f32kv']}, f32 activations "
+          f"{fa['same_tokens_as_f32kv']}; decode modules chosen at "
           f"load: {d['decode_choice']})")
     if "compile_s" in results:
         print(f"compile: {results['compile_s']} s; load (modules + weights): {results['load_s']} s")
@@ -440,7 +446,8 @@ def main() -> int:
     wbytes = os.path.getsize(os.path.join(model_dir, "weights.bin"))  # every weight is read once per token
     results["memory"] = {"read_gb_s": round(bw, 1), "weights_bytes": wbytes,
                          "decode_gb_s": {k: round(wbytes * x["decode_tok_s_resident"] / 1e9, 1)
-                                         for k, x in (("f32 KV", d), ("f16 KV", h), ("int8 KV", q))}}
+                                         for k, x in (("f32 KV", d), ("f16 KV", h), ("int8 KV", q),
+                                                      ("f32 KV, f32 activations", fa))}}
     print(f"decode reads {wbytes / 2**20:.0f} MiB of weights per token: "
           + ", ".join(f"{k} {v} GB/s" for k, v in results["memory"]["decode_gb_s"].items())
           + f", against {bw:.1f} GB/s read bandwidth (numpy sum over 512 MiB, 2 threads, measured now)")

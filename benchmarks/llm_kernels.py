@@ -9,7 +9,11 @@ interleaved rounds: the A/B of dspx.compiler.llm.KV_LAYOUTS), runs it on random 
 process CPU time per call with TVM_NUM_THREADS=1 (CPU time, so the figures
 hold on a busy machine better than wall time; two free cores roughly halve
 the parallel kernels' wall time), GFLOP/s for the GEMMs, and the per-token
-totals (× layers). Prints a table, writes benchmarks/results/llm_kernels.json.
+totals (× layers).  Then decode's GEMVs (one row) on each kind of decode
+activations (int8, the default, and float32), in interleaved rounds, each
+call on one of 30 copies of its weights in turn (a layer's weights come from
+memory in decode, not from cache), with the weight bytes read per second.
+Prints a table, writes benchmarks/results/llm_kernels.json.
 """
 from __future__ import annotations
 
@@ -88,6 +92,48 @@ def cpu_mhz() -> float | None:
         return None
 
 
+def decode_gemvs(d, target, lanes: int, rng, repeat: int) -> dict:
+    """Each decode GEMV (M = 1) per kind of decode activations: CPU time per call with its weights
+    rotated over 30 copies, and the weight bytes it reads per second (medians of ROUNDS rounds)."""
+    from dspx.compiler import llm as L
+
+    copies = 30
+    fns = {}
+    for act in L.DECODE_ACTIVATIONS:
+        ks = L.kernels(L.Dims(**SMOLLM2, decode_activations=act), 1, False, lanes=lanes)
+        for name in ("gemv_qkv", "gemv_o", "gemv_gate_up", "gemv_down"):
+            args = [random_args(ks[name], rng, 1) for _ in range(copies)]
+            weight_bytes = sum(a.numpy().nbytes for a in args[0][1:4])  # q, d, m
+            fns[act, name] = (build(ks[name], name, target), args, weight_bytes)
+    ts = {k: [] for k in fns}
+    for _ in range(ROUNDS):
+        for k, (fn, argsets, _) in fns.items():
+            fn(*argsets[0])
+            t0 = time.process_time()
+            for _ in range(max(1, repeat // 4)):
+                for args in argsets:
+                    fn(*args)
+            ts[k].append((time.process_time() - t0) / (max(1, repeat // 4) * copies))
+    out = {}
+    print(f"\ndecode GEMVs (one row, 1 thread, CPU time, weights rotated over {copies} copies, medians of "
+          f"{ROUNDS} interleaved rounds):")
+    print(f"{'kernel':14s} " + " ".join(f"{act + ' us':>11s} {'GB/s':>6s}" for act in L.DECODE_ACTIVATIONS)
+          + f" {'int8 speedup':>13s}")
+    for name in ("gemv_qkv", "gemv_o", "gemv_gate_up", "gemv_down"):
+        row = {}
+        for act in L.DECODE_ACTIVATIONS:
+            t = float(np.median(ts[act, name]))
+            row[act] = {"us": round(t * 1e6, 1), "weight_gb_s": round(fns[act, name][2] / t / 1e9, 1)}
+        out[name] = row
+        print(f"{name:14s} " + " ".join(f"{row[act]['us']:11.1f} {row[act]['weight_gb_s']:6.1f}"
+                                         for act in L.DECODE_ACTIVATIONS)
+              + f" {row['float32']['us'] / row['int8']['us']:12.2f}x")
+    per_token = {act: round(sum(out[n][act]["us"] for n in out) * d.n_layers / 1e3, 2) for act in L.DECODE_ACTIVATIONS}
+    out["per_token_ms_one_core"] = per_token
+    print(f"{'x layers':14s} " + " ".join(f"{per_token[act]:8.2f} ms {'':6s}" for act in L.DECODE_ACTIVATIONS))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=37, help="real rows of the prefill chunk (the rest is padding)")
@@ -159,6 +205,7 @@ def main() -> int:
             print(f"  {kd:8s} {lay:8s} context {ctx:5d}: {t:7.1f} us/layer at {ctx - 1} "
                   f"({t * d.n_layers / 1e3:.2f} ms/token), {us[lay, 37]:6.1f} at 37")
         print(f"  {'':8s} blocked / rows at {ctx - 1}: {us['blocked', ctx - 1] / us['rows', ctx - 1]:.2f}")
+    results["decode_gemv"] = decode_gemvs(d, target, lanes, rng, a.repeat)
     results["load_avg_end"] = os.getloadavg()[0]
     print(f"load average {results['load_avg_start']:.2f} -> {results['load_avg_end']:.2f}")
     print(f"wrote {write_json('llm_kernels.json', results)}")

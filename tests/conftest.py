@@ -1,6 +1,7 @@
 """Shared fixtures: a running simulated device on a private socket."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -65,6 +66,23 @@ class Device:
             self.proc.wait(10)
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)  # its socket and log: every CI run left ~140 behind in /tmp
+
+
+@contextlib.contextmanager
+def llm_on_own_device(model_dir):
+    """A DeviceLLM of ``model_dir`` on a device of its own (default sizes), closed with it."""
+    from dspx.host.client import Client
+    from dspx.host.llm import DeviceLLM
+
+    dev = Device()
+    c = Client(dev.path, timeout=120)
+    m = DeviceLLM(model_dir, client=c, progress=False)
+    try:
+        yield m
+    finally:
+        m.close()
+        c.close()
+        dev.stop()
 
 
 @pytest.fixture

@@ -9,6 +9,16 @@ converter permuted those rows for llama.cpp's adjacent-pair rotation.
 un-permutes and uses Hugging Face's rotate_half — so a pairing mistake in
 either shows up as a mismatch.)
 
+Decode (one token) with ``activations="int8"`` multiplies its Q4_1 linear layers as the device's default
+decode does (``decode_activations``):
+the input quantized per 32-element block to int8 (llama.cpp's Q8_1:
+xd = max|x| / 127, xq = rint(x · (1 / xd))), each block's value
+d · xd · Σ(nibble · xq) + m · Σx.  With the dequantized W = d · nibble + m
+that is W · x̂ + m · (Σx − xd · Σxq) per block (x̂ = xd · xq), so the
+reference needs only each block's m besides W, read from the GGUF's raw
+20-byte Q4_1 blocks here (d, m as float16, then 16 bytes of nibbles).
+Prefill, and the LM head, stay unquantized.
+
 Everything is float32. numpy 2 (NEP 50) promotes a float32 array to float64
 when it meets a float64 array or an np.float64 scalar (e.g. what np.sqrt
 returns for a Python float), so every constant is made np.float32 first and
@@ -81,6 +91,27 @@ def load_gguf(path: str | Path) -> tuple[RefConfig, dict[str, np.ndarray], gguf.
     return cfg, w, r
 
 
+def q4_1_minima(reader: gguf.GGUFReader) -> dict[str, np.ndarray]:
+    """Each Q4_1 tensor's block minima m, (out, in / 32) float32, from its raw blocks."""
+    out = {}
+    for t in reader.tensors:
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_1:
+            rows = int(t.shape[1]) if len(t.shape) > 1 else 1
+            blocks = np.asarray(t.data).view(np.uint8).reshape(rows, -1, 20)
+            out[t.name] = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(F32)
+    return out
+
+
+def quantize_q8_blocks(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x (T, K) float32 per 32-element block: (x̂ = xd · xq as float32 (T, K), xd (T, K / 32))."""
+    xb = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(axis=2)
+    xd = amax / F32(127)
+    inv = np.where(amax > 0, F32(1) / np.where(amax > 0, xd, F32(1)), F32(0)).astype(F32)
+    xq = np.clip(np.rint(xb * inv[:, :, None]), -127, 127)
+    return (xq * xd[:, :, None]).reshape(x.shape).astype(F32), xd
+
+
 def rope_tables(head_dim: int, theta: float, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin (n_pos, head_dim/2): angle pos * theta^(-2i/d), computed in float64."""
     inv = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
@@ -113,7 +144,8 @@ class ReferenceLlama:
 
     def __init__(self, path: str | Path | None = None, max_seq: int = 512,
                  loaded: tuple[RefConfig, dict[str, np.ndarray], object] | None = None):
-        self.cfg, self.w, _ = loaded if loaded is not None else load_gguf(path or default_gguf_path())
+        self.cfg, self.w, reader = loaded if loaded is not None else load_gguf(path or default_gguf_path())
+        self.minima = q4_1_minima(reader)
         c = self.cfg
         self.max_seq = max_seq
         self.eps = F32(c.eps)
@@ -121,6 +153,9 @@ class ReferenceLlama:
         self.cos, self.sin = rope_tables(c.head_dim, c.theta, max_seq)
         self.embd = self.w["token_embd.weight"]
         self.lm_head = self.w.get("output.weight", self.embd)  # tied to token_embd here
+        linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        assert all(f"blk.{i}.{k}.weight" in self.minima for i in range(c.n_layers) for k in linears), \
+            "decode's quantized input is modeled for Q4_1 linear layers only"
         self.layers = [{k: self.w[f"blk.{i}.{k}.weight"] for k in (
             "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
             "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")} for i in range(c.n_layers)]
@@ -128,12 +163,21 @@ class ReferenceLlama:
         self.v_cache = np.zeros_like(self.k_cache)
         self.n_past = 0
 
+    def _linear(self, h: np.ndarray, i: int, name: str, quantized: bool) -> np.ndarray:
+        w = self.layers[i][name]
+        if not quantized:
+            return h @ w.T
+        xh, xd = quantize_q8_blocks(h)
+        hb = h.reshape(h.shape[0], -1, 32)
+        correction = hb.sum(axis=2) - xh.reshape(hb.shape).sum(axis=2)  # Σx − xd · Σxq per block
+        return xh @ w.T + correction @ self.minima[f"blk.{i}.{name}.weight"].T
+
     def reset(self) -> None:
         self.k_cache[:] = 0
         self.v_cache[:] = 0
         self.n_past = 0
 
-    def _forward(self, ids: np.ndarray, start: int) -> np.ndarray:
+    def _forward(self, ids: np.ndarray, start: int, quantized: bool = False) -> np.ndarray:
         c = self.cfg
         T = len(ids)
         end = start + T
@@ -146,9 +190,9 @@ class ReferenceLlama:
         x = self.embd[ids]
         for i, L in enumerate(self.layers):
             h = rmsnorm(x, L["attn_norm"], self.eps)
-            q = (h @ L["attn_q"].T).reshape(T, c.n_heads, c.head_dim)
-            k = (h @ L["attn_k"].T).reshape(T, c.n_kv, c.head_dim)
-            v = (h @ L["attn_v"].T).reshape(T, c.n_kv, c.head_dim)
+            q = self._linear(h, i, "attn_q", quantized).reshape(T, c.n_heads, c.head_dim)
+            k = self._linear(h, i, "attn_k", quantized).reshape(T, c.n_kv, c.head_dim)
+            v = self._linear(h, i, "attn_v", quantized).reshape(T, c.n_kv, c.head_dim)
             q, k = rope_pairwise(q, cos, sin), rope_pairwise(k, cos, sin)
             self.k_cache[i, :, start:end] = k.transpose(1, 0, 2)
             self.v_cache[i, :, start:end] = v.transpose(1, 0, 2)
@@ -160,9 +204,10 @@ class ReferenceLlama:
             s = np.exp(s - s.max(axis=-1, keepdims=True))
             p = s / s.sum(axis=-1, keepdims=True)
             o = (p @ V[:, None]).reshape(c.n_heads, T, c.head_dim).transpose(1, 0, 2)
-            x = x + o.reshape(T, c.n_heads * c.head_dim) @ L["attn_output"].T
+            x = x + self._linear(o.reshape(T, c.n_heads * c.head_dim), i, "attn_output", quantized)
             h = rmsnorm(x, L["ffn_norm"], self.eps)
-            x = x + (silu(h @ L["ffn_gate"].T) * (h @ L["ffn_up"].T)) @ L["ffn_down"].T
+            g = silu(self._linear(h, i, "ffn_gate", quantized)) * self._linear(h, i, "ffn_up", quantized)
+            x = x + self._linear(g, i, "ffn_down", quantized)
         x = rmsnorm(x, self.w["output_norm.weight"], self.eps)
         logits = x @ self.lm_head.T
         assert logits.dtype == F32, logits.dtype  # no silent float64 anywhere upstream
@@ -174,11 +219,14 @@ class ReferenceLlama:
         self.reset()
         return self._forward(np.asarray(ids, dtype=np.int64), 0)
 
-    def decode(self, token_id: int, pos: int) -> np.ndarray:
-        """Logits (vocab,) of one token at ``pos``, attending to the cache 0..pos-1."""
+    def decode(self, token_id: int, pos: int, activations: str = "float32") -> np.ndarray:
+        """Logits (vocab,) of one token at ``pos``, attending to the cache 0..pos-1; ``activations``
+        "int8": its Q4_1 layers on the quantized input, as the device's default decode (the module
+        docstring)."""
         if pos > self.n_past:
             raise ValueError(f"position {pos} skips past the cache (filled to {self.n_past})")
-        return self._forward(np.asarray([token_id], dtype=np.int64), pos)[0]
+        assert activations in ("float32", "int8"), activations
+        return self._forward(np.asarray([token_id], dtype=np.int64), pos, quantized=activations == "int8")[0]
 
     def generate(self, ids, max_new_tokens: int, stop_ids=()) -> list[int]:
         """Greedy continuation of ``ids`` (stops after a token in ``stop_ids``)."""

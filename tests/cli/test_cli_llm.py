@@ -124,13 +124,15 @@ def test_compile_llm_writes_a_package_that_runs_like_the_reference(big_device, t
 
     src, out = tmp_path / "tiny.gguf", tmp_path / "llm"
     _tiny_llama_gguf(src)
-    p = dspx("compile-llm", src, "-o", out, "--context", 64, "--json", timeout=600)
+    # float32 decode activations: the reference's logits to 2e-3 (the default int8 ones: test_llm_int8_decode.py)
+    p = dspx("compile-llm", src, "-o", out, "--context", 64, "--decode-activations", "float32", "--json", timeout=600)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
     res = json.loads(p.stdout)
     assert res["status"] == "ok" and res["outdir"] == str(out), res
     m = res["model"]
     assert (m["name"], m["n_layers"], m["dim"], m["n_heads"], m["n_kv"], m["ffn"], m["vocab"]) == \
         ("tiny", 1, 64, 1, 1, 128, 128), m
+    assert m["decode_activations"] == "float32"
     assert res["context"] == 64 and res["kv"]["count"] == 2 and res["kv"]["shape"] == [1, 1, 64, 64], res["kv"]
     for name in ("prefill", "decode", "decode_parallel"):
         assert (out / res["modules"][name]["module"]).is_file(), name

@@ -225,6 +225,11 @@ def test_generate_refuses_what_the_server_refuses_and_fixed_package_options(llm_
     other = next(d for d in ("float32", "float16", "int8") if d != meta["kv"]["dtype"])
     one_error(*dspx("generate", "hi", "--model", llm_dir, "--kv-dtype", other, "--context", meta["context"]),
               f"--kv-dtype {other}", f"{meta['kv']['dtype']} KV cache", str(meta["context"]), exit_code=2)
+    assert meta["model"]["decode_activations"] == "int8"  # the default package
+    one_error(*dspx("generate", "hi", "--model", llm_dir, "--decode-activations", "float32"),
+              "--decode-activations float32", "decode activations int8", exit_code=2)
+    one_error(*dspx("serve-llm", "--model", llm_dir, "--decode-activations", "float32", "--port", "0"),
+              "--decode-activations float32", "decode activations int8", exit_code=2)
     one_error(*dspx("generate", "-", stdin=""), "stdin", exit_code=2)
 
 

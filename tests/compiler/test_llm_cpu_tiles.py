@@ -16,7 +16,7 @@ pytest.importorskip("tvm")
 import tvm  # noqa: E402
 
 from dspx.compiler.llm import Dims, decode_slice, prefill_tile, vector_lanes  # noqa: E402
-from dspx.compiler.llm.tir.gemv import _q4_1_decode, _q4_1_prefill, _q8_0_decode  # noqa: E402
+from dspx.compiler.llm.tir.gemv import _q4_1_decode, _q4_1_prefill, _q8_0_decode, gemv_q4_1  # noqa: E402
 from dspx.compiler.llm.tuning import CANDIDATES, prefill_tile_for  # noqa: E402
 from dspx.compiler.target import cpu_features  # noqa: E402
 from dspx.device.core.cpu import missing_features  # noqa: E402
@@ -35,18 +35,43 @@ def _problem(rows: int):
     res = rng.standard_normal((M, N)).astype(np.float32)
     pos = np.full((1, M), -1, np.int64)
     pos[0, :rows] = np.arange(rows)
-    # Q4_1 by hand: output n = tile n // 64, lane n % 64; element j of block b is the low nibble
-    # of byte j, element 16 + j the high one; value = nibble * d + m
+    want = res.astype(np.float64) + x.astype(np.float64) @ _dequantized(q, d, m)
+    return [x, pos, q, d, m, res, np.zeros((M, N), np.float32)], want
+
+
+def _dequantized(q, d, m):
+    """Q4_1 by hand, (K, N) float64: output n = tile n // 64, lane n % 64; element j of block b is the
+    low nibble of byte j, element 16 + j the high one; value = nibble * d + m."""
     w = np.zeros((K, N))
     for n in range(N):
         t, lane = divmod(n, 64)
-        for b in range(nb):
+        for b in range(K // 32):
             byte = q[t, b, :, lane].astype(np.int64)
             dd, mm = float(d[t, b, lane]), float(m[t, b, lane])
             w[b * 32:b * 32 + 16, n] = (byte & 15) * dd + mm
             w[b * 32 + 16:b * 32 + 32, n] = (byte >> 4) * dd + mm
-    want = res.astype(np.float64) + x.astype(np.float64) @ w
-    return [x, pos, q, d, m, res, np.zeros((M, N), np.float32)], want
+    return w
+
+
+def _decode_reference(x, q, d, m, res):
+    """Decode's Q4_1 GEMV by hand, in numpy integers: each 32-element block of a row of x quantized as
+    llama.cpp's Q8_1 (xd = max|x| / 127 and xq = rint(x * (1 / xd)) in float32, clamped to ±127), the
+    block's dot product Σ nibble · xq exact, then d · xd · Σ + m · Σx in float64."""
+    rows, nb = x.shape[0], K // 32
+    xb = x.reshape(rows, nb, 32)
+    amax = np.abs(xb).max(axis=2)
+    xd = amax / np.float32(127)
+    inv = np.where(amax > 0, np.float32(1) / np.where(amax > 0, xd, 1), np.float32(0)).astype(np.float32)
+    xq = np.clip(np.rint(xb * inv[:, :, None]), -127, 127).astype(np.int64)
+    out = res[:rows].astype(np.float64)
+    for n in range(N):
+        t, lane = divmod(n, 64)
+        byte = q[t, :, :, lane].astype(np.int64)  # (block, 16)
+        nib = np.concatenate([byte & 15, byte >> 4], axis=1)  # (block, 32): elements j and 16 + j
+        isum = (nib[None] * xq).sum(axis=2)  # (rows, block), exact
+        out[:, n] += (d[t, :, lane].astype(np.float64) * xd.astype(np.float64) * isum
+                      + m[t, :, lane].astype(np.float64) * xb.astype(np.float64).sum(axis=2)).sum(axis=1)
+    return out
 
 
 def _build(tile, mcpu: str):
@@ -83,24 +108,64 @@ def test_every_decode_slice_gives_the_reference_and_the_same_bits(mcpu):
     if missing_features(cpu_features(mcpu)):
         return  # compiled by the test above; this CPU cannot run it
     (x, _, q, d, m, res, _), want = _problem(1)
+    want_int8 = _decode_reference(x[:1], q, d, m, res)
     rng = np.random.default_rng(7)
     q8 = rng.integers(-128, 128, (N // 64, K // 32, 32, 64), dtype=np.int8)
     w8 = q8.astype(np.float64) * d.astype(np.float64)[:, :, None, :]  # (tile, block, element, lane)
     want8 = x[:1].astype(np.float64) @ w8.transpose(1, 2, 0, 3).reshape(K, N)
     outs = {}
     for dv in (64, 32, 16):
-        for name, f, args in (("q4_1", _q4_1_decode(K, N, False, dv), [x[:1], q, d, m, res[:1]]),
+        for name, f, args in (("q4_1", _q4_1_decode(K, N, False, dv, int8=False), [x[:1], q, d, m, res[:1]]),
+                              ("q4_1 int8", _q4_1_decode(K, N, False, dv), [x[:1], q, d, m, res[:1]]),
                               ("q8_0", _q8_0_decode(K, N, False, dv), [x[:1], q8, d])):
             fn = tvm.compile(tvm.IRModule({"g": f.with_attr("global_symbol", "g")}),
                              target={"kind": "llvm", "mcpu": mcpu})["g"]
-            out = np.zeros((1, N) if name == "q4_1" else (1, 1, N), np.float32)
+            out = np.zeros((1, 1, N) if name == "q8_0" else (1, N), np.float32)
             targs = [tvm.runtime.tensor(a) for a in args + [out]]
             fn(*targs)
             outs[name, dv] = targs[-1].numpy().reshape(1, N)
     np.testing.assert_allclose(outs["q4_1", 64], want[:1], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(outs["q4_1 int8", 64], want_int8, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(outs["q8_0", 64], want8, rtol=1e-5, atol=1e-4)
     for name, dv in outs:
         assert np.array_equal(outs[name, dv], outs[name, 64]), f"{name} slice {dv} differs from 64"
+
+
+def _run(f, args, out_shape):
+    fn = tvm.compile(tvm.IRModule({"g": f.with_attr("global_symbol", "g")}), target="llvm")["g"]
+    targs = [tvm.runtime.tensor(a) for a in args + [np.zeros(out_shape, np.float32)]]
+    fn(*targs)
+    return targs[-1].numpy()
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "float32"])
+def test_decode_and_batched_rows_give_the_reference_and_the_same_bits(int8):
+    """Decode's Q4_1 GEMV on each kind of input (``decode_activations``) against its hand reference, at
+    the edges of the integer path's int16 sums (every nibble 15 times ±127: 30,480 of 32,767), an
+    all-zero block, a block whose largest value is negative, one huge element, and rows batched 2 and
+    4 at a time: each row's bits are decode's own."""
+    (x, _, q, d, m, res, _), _ = _problem(1)
+    rows = 6
+    x = x[:rows].copy()
+    x[1] = np.abs(x[1]) + 1  # every element positive: with all nibbles 15 below, the largest int16 sums
+    x[2, 32:64] = 0  # an all-zero block: xd = 0
+    x[3, :32] *= -4  # a block whose max |x| is a negative value
+    x[4, 5] = 1e6  # one huge element: the rest of its block quantizes to 0
+    q = q.copy()
+    q[:, :, :, :32] = 0xFF  # outputs 0-31 of each tile: nibbles all 15
+    if int8:
+        want = _decode_reference(x, q, d, m, res)
+    else:
+        want = res[:rows].astype(np.float64) + x.astype(np.float64) @ _dequantized(q, d, m)
+    one = np.concatenate([_run(_q4_1_decode(K, N, False, int8=int8), [x[r:r + 1], q, d, m, res[r:r + 1]], (1, N))
+                          for r in range(rows)])
+    np.testing.assert_allclose(one, want, rtol=1e-5, atol=1e-4)
+    for real in (2, 3, 6):  # one pair; a group of 4 clamped to the last real row; a full group and a pair
+        pos = np.full((1, rows), -1, np.int64)
+        pos[0, :real] = np.arange(real)
+        batched = _run(gemv_q4_1(rows, K, N, False, batch=True, int8=int8), [x, pos, q, d, m, res[:rows]],
+                       (rows, N))
+        assert np.array_equal(batched[:real], one[:real]), f"{real} batched rows differ from decode's"
 
 
 def test_the_register_count_tiles_fit_the_register_files():

@@ -6,6 +6,9 @@ kernels dequantize them to exactly the values ``gguf.quants.dequantize``
 gives (d·q + m) and accumulate in float32.  So the oracle is the float32
 reference itself and the tolerance is float32 round-off with a different
 summation order: max |Δlogit| <= 2e-3 (measured ~2e-4 on logits up to |37|).
+That holds for the package compiled with ``decode_activations="float32"``,
+used here; the default package's decode quantizes its input to int8 blocks
+(test_llm_int8_decode.py).
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ PROMPTS = ["What is the capital of France?",
 @pytest.fixture(scope="module")
 def model_dir():
     from dspx.compiler.llm import compiled_dir
-    return compiled_dir(cache_dir=CACHE, progress=False)
+    return compiled_dir(cache_dir=CACHE, progress=False, decode_activations="float32")
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +250,27 @@ def test_greedy_agrees_with_reference(llm, ref, tok, prompt):
 
 
 # ---------------------------------------------------------------- KV-resident decode
+
+def test_embeddings_are_the_reference_hidden_states_on_float32_decode(llm, ref, tok):
+    """The embedder (serve-llm's /v1/embeddings: one decode step per token, the hidden state solved from
+    the mean logits) on the float32 package: the reference's mean final-norm hidden state to 2e-3."""
+    from llm_reference import default_gguf_path
+
+    from dspx.host.llm.embed import Embedder
+
+    emb = Embedder(default_gguf_path())
+    head = ref.lm_head
+    ref.lm_head = np.eye(ref.cfg.dim, dtype=np.float32)  # "logits" = the hidden state after the output norm
+    try:
+        for text in ("The capital of France is Paris.", "Dragons"):
+            ids = tok.encode(text)
+            want = ref.prefill(ids).mean(axis=0)
+            want /= np.linalg.norm(want)
+            got = emb.embed(llm, ids)
+            assert float(got @ want) > 0.9999 and np.abs(got - want).max() < 2e-3, text
+    finally:
+        ref.lm_head = head
+
 
 def test_resident_equals_non_resident_and_moves_little(llm, tok):
     from dspx.host.llm import Generator

@@ -45,7 +45,8 @@ def llm16(request, device):
     from dspx.host.client import Client
     from dspx.host.llm import DeviceLLM
 
-    path = compiled_dir(cache_dir=CACHE, progress=False, context=CONTEXT[request.param], kv_dtype=request.param)
+    path = compiled_dir(cache_dir=CACHE, progress=False, context=CONTEXT[request.param], kv_dtype=request.param,
+                        decode_activations="float32")  # held to the float32 reference's tolerance
     c = Client(device.path, timeout=120)
     m = DeviceLLM(path, client=c, progress=False)
     yield m
@@ -56,7 +57,8 @@ def llm16(request, device):
 @pytest.fixture(scope="module")
 def f16_dir():
     from dspx.compiler.llm import compiled_dir
-    return compiled_dir(cache_dir=CACHE, progress=False, context=512, kv_dtype="float16")
+    return compiled_dir(cache_dir=CACHE, progress=False, context=512, kv_dtype="float16",
+                        decode_activations="float32")  # the package llm16 loads
 
 
 @pytest.fixture(scope="module")

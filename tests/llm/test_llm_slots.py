@@ -1,11 +1,13 @@
 """KV slots and batched decode (``serve-llm --parallel N``): the KV cache of
-the float32 package (context 256) split into 4 slots of 64 positions.
+the default package (float32 KV, context 256, int8 decode activations)
+split into 4 slots of 64 positions.
 
 Oracle: each prompt run alone on the one-slot path (slot 0, ``decode``),
-itself held to the float32 reference and the published France ids by
-test_llm_device.py.  A batched step must give every slot exactly what it
-gets alone — the batch kernels sum each row in the decode GEMV's order, so
-the logits are equal bit for bit, not just the greedy tokens."""
+itself held to the float32 reference by test_llm_int8_decode.py, and to the
+published France ids here.  A batched step must give every slot exactly
+what it gets alone — the batch kernels quantize each row and sum it in the
+decode GEMV's order, so the logits are equal bit for bit, not just the
+greedy tokens."""
 from __future__ import annotations
 
 import sys
@@ -16,7 +18,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import CACHE, Device  # noqa: E402
+from conftest import CACHE, llm_on_own_device  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three colors.",
            "What is 2+2?"]
@@ -27,16 +29,9 @@ STEPS = 10
 @pytest.fixture(scope="module")
 def llm():
     from dspx.compiler.llm import compiled_dir
-    from dspx.host.client import Client
-    from dspx.host.llm import DeviceLLM
 
-    dev = Device()
-    c = Client(dev.path, timeout=120)
-    m = DeviceLLM(compiled_dir(cache_dir=CACHE, progress=False), client=c, progress=False)
-    yield m
-    m.close()
-    c.close()
-    dev.stop()
+    with llm_on_own_device(compiled_dir(cache_dir=CACHE, progress=False)) as m:
+        yield m
 
 
 @pytest.fixture(scope="module")

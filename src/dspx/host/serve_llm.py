@@ -634,7 +634,7 @@ def _log_requests() -> None:
 def serve_llm(host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None, *, model_dir=None, gguf=None,
               socket: str | None = None, context: int = 256, kv_dtype: str = "float32", max_queue: int = 16,
               limits: Limits = Limits(), log_level: str = "info", on_loading=None, on_ready=None,
-              parallel: int = 1) -> None:
+              parallel: int = 1, decode_activations: str = "int8") -> None:
     """Serve until interrupted: check the model and bind the port first (each a DspxError at
     once), then ``on_loading(url)`` and load the model while /health answers 503
     (``parallel``: KV slots);
@@ -644,7 +644,8 @@ def serve_llm(host: str = "127.0.0.1", port: int = 8080, api_key: str | None = N
     from .llm import Generator
 
     # reads the package's metadata and the tokenizer; the device model loads later, in load()
-    gen = Generator(model_dir=model_dir, gguf=gguf, socket=socket, progress=True, context=context, kv_dtype=kv_dtype)
+    gen = Generator(model_dir=model_dir, gguf=gguf, socket=socket, progress=True, context=context, kv_dtype=kv_dtype,
+                    decode_activations=decode_activations)
     check_fd_room(limits.max_connections)
     sock = bind(host, port)
     svc = LLMService(gen, max_queue=max_queue, loaded=False, parallel=parallel)

@@ -45,7 +45,8 @@ from __future__ import annotations
 from .build import (LLM_TARGET, build_digest, compile_llm, compiled_dir, gguf_identity,  # noqa: F401
                     kv_resident_reserve)
 from .graph import entry, zeros_of  # noqa: F401
-from .sizing import (KB, KV_DTYPES, KV_LAYOUTS, TN, Dims, LLMCompileError, check_kv_layout,  # noqa: F401
+from .sizing import (DECODE_ACTIVATIONS, KB, KV_DTYPES, KV_LAYOUTS, TN, Dims, LLMCompileError,  # noqa: F401
+                     check_decode_activations, check_kv_layout,
                      dims_of, kv_region_bytes, kv_row, largest_context)
 from .tir import PR, REG, decode_slice, kernels, prefill_tile, vector_lanes, vexp  # noqa: F401
 from .weights import _q4_1, _q8_0, dequantized_weights, pack_weights, rope_tables  # noqa: F401

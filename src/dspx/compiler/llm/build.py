@@ -19,7 +19,7 @@ from dspx.compiler.module import (IO_META_NAME, SIGNATURE_NAME, Signature, Tenso
 from .graph import entry
 from .tir import vector_lanes
 from .tuning import prefill_tile_for
-from .sizing import Dims, LLMCompileError, check_kv_layout, dims_of
+from .sizing import Dims, LLMCompileError, check_decode_activations, check_kv_layout, dims_of
 from .weights import pack_weights
 
 # The modules are built for the machine they run on, like llama.cpp's
@@ -82,11 +82,12 @@ def gguf_identity(path: Path) -> dict:
 
 def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, parallel_decode_gemv: bool = False,
                 context: int = CONTEXT, chunk: int = CHUNK, kv_dtype: str = "float32", target: str = LLM_TARGET,
-                kv_layout: str = "blocked", cost_model: str | None = None) -> dict:
+                kv_layout: str = "blocked", cost_model: str | None = None, decode_activations: str = "int8") -> dict:
     """Compile a Llama GGUF into ``outdir`` (prefill.so, decode.so,
     decode_parallel.so, decode_batch.so, weights.bin, metadata.json); returns the metadata (plus ``"timings"``). ``target`` as
     ``dspx compile --target`` (default: this machine); ``kv_layout`` one of
     KV_LAYOUTS (the arrangement inside the KV tensors; both modules share it);
+    ``decode_activations`` one of DECODE_ACTIVATIONS (what decode's Q4_1 layers multiply by);
     ``cost_model`` (default ``$DSPX_COST_MODEL``): record the estimated prefill
     and decode tok/s on that profile's board in metadata "cost_estimate"."""
     from dspx.compiler.onnx import _Progress
@@ -97,7 +98,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     prog = _Progress(progress)
     t_all = time.perf_counter()
     model = read_gguf(gguf_path, progress=progress)  # raises GGUFNotFoundError / UnsupportedArchitectureError
-    d = dims_of(model.config, context, chunk, kv_dtype, kv_layout)
+    d = dims_of(model.config, context, chunk, kv_dtype, kv_layout, decode_activations)
     with prog.stage("pack", f"repack {model.path.name} quantized blocks ({len(model.tensors)} tensors)"):
         weights = pack_weights(model, d)
     import tvm
@@ -186,20 +187,23 @@ def _cost_estimate(d: Dims, cost_model: str | None) -> dict | None:
 
 
 def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True, *, context: int = CONTEXT,
-                 kv_dtype: str = "float32", kv_layout: str | None = None) -> Path:
+                 kv_dtype: str = "float32", kv_layout: str | None = None,
+                 decode_activations: str = "int8") -> Path:
     """A compiled copy of ``gguf_path`` under ``cache_dir``/llm (default: the
     dspx cache's "llm" area), compiled once per build digest, GGUF identity,
-    context, KV dtype and KV layout (default ``$DSPX_LLM_KV_LAYOUT``, else
-    "blocked").  Builds there by an older compiler are deleted first."""
+    context, KV dtype, KV layout (default ``$DSPX_LLM_KV_LAYOUT``, else
+    "blocked") and decode activations.  Builds there by an older compiler are deleted first."""
     from dspx.llm import find_default_gguf
 
     kv_layout = kv_layout or os.environ.get("DSPX_LLM_KV_LAYOUT") or "blocked"
     check_kv_layout(kv_layout)
+    check_decode_activations(decode_activations)
     path = find_default_gguf() if gguf_path is None else Path(gguf_path)
     if not path.is_file():
         from dspx.llm import GGUFNotFoundError
         raise GGUFNotFoundError(f"GGUF file not found: {path}")
-    options = {"context": context, "kv_dtype": kv_dtype, "kv_layout": kv_layout}
+    options = {"context": context, "kv_dtype": kv_dtype, "kv_layout": kv_layout,
+               "decode_activations": decode_activations}
     digest = build_digest()
     key = cache.digest((), digest, json.dumps(gguf_identity(path), sort_keys=True), json.dumps(options, sort_keys=True))
     area = Path(cache_dir) / "llm" if cache_dir else cache.area("llm")
@@ -208,7 +212,8 @@ def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True, *, conte
         # builds by an older compiler go (~95 MB each); what has no dspx metadata stays
         cache.prune(area, lambda e: not _stale(e, digest))
         cache.publish(out, lambda tmp: compile_llm(path, tmp, progress=progress, context=context,
-                                                   kv_dtype=kv_dtype, kv_layout=kv_layout),
+                                                   kv_dtype=kv_dtype, kv_layout=kv_layout,
+                                                   decode_activations=decode_activations),
                       complete=METADATA_FILE)
     return out
 

@@ -33,6 +33,7 @@ class Dims:
     chunk: int = CHUNK
     kv_dtype: str = "float32"
     kv_layout: str = "blocked"
+    decode_activations: str = "int8"
 
     @property
     def qkv(self) -> int:
@@ -52,6 +53,10 @@ KV_DTYPES = {"float32": 4, "float16": 2, "int8": 1}  # KV cache element type -> 
 # blocks, K transposed within a block) or "rows" (one row per position, the earlier layout,
 # kept for A/B: compile_llm(kv_layout="rows"), DSPX_LLM_KV_LAYOUT=rows).
 KV_LAYOUTS = ("blocked", "rows")
+# What decode's Q4_1 layers multiply their weights with (tir/gemv.py): the input quantized per
+# 32-element block to int8 (llama.cpp's Q8_1; integer dot products, ~1.7x the float GEMV on AVX2),
+# or float32 as it is (prefill's arithmetic: decode's logits within 2e-3 of a float32 reference).
+DECODE_ACTIVATIONS = ("int8", "float32")
 KB = llmpack.KV_BLOCK  # positions per KV block (one AVX-512 vector of float32 scores)
 
 
@@ -84,14 +89,21 @@ def check_kv_layout(kv_layout: str) -> None:
         raise LLMCompileError(f"KV layout {kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}")
 
 
+def check_decode_activations(decode_activations: str) -> None:
+    if decode_activations not in DECODE_ACTIVATIONS:
+        raise LLMCompileError(f"decode activations {decode_activations!r} is not one of "
+                              f"{', '.join(DECODE_ACTIVATIONS)}")
+
+
 def dims_of(config, context: int = CONTEXT, chunk: int = CHUNK, kv_dtype: str = "float32",
-            kv_layout: str = "blocked") -> Dims:
+            kv_layout: str = "blocked", decode_activations: str = "int8") -> Dims:
     c = config
     if kv_dtype not in KV_DTYPES:
         raise LLMCompileError(f"KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
     check_kv_layout(kv_layout)
+    check_decode_activations(decode_activations)
     d = Dims(c.n_layers, c.hidden_size, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_size, c.vocab_size,
-             float(c.rope_theta), float(c.rms_eps), context, chunk, kv_dtype, kv_layout)
+             float(c.rope_theta), float(c.rms_eps), context, chunk, kv_dtype, kv_layout, decode_activations)
     from dspx.memory import KV_SIZE
 
     need = kv_region_bytes(d.n_layers, d.n_kv, d.head_dim, context, kv_dtype)

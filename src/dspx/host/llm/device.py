@@ -92,13 +92,14 @@ class DeviceLLM:
 
     def __init__(self, model_dir=None, *, client=None, gguf=None, socket: str | None = None,
                  progress: bool = True, context: int = llmpack.CONTEXT, kv_dtype: str = "float32",
-                 decode_threads: str | None = None):
+                 decode_threads: str | None = None, decode_activations: str = "int8"):
         from ..client import Client
 
         t0 = time.perf_counter()
         if model_dir is None:  # compile the GGUF on first use (cached)
             from ...compiler.llm import compiled_dir
-            model_dir = compiled_dir(gguf, progress=progress, context=context, kv_dtype=kv_dtype)
+            model_dir = compiled_dir(gguf, progress=progress, context=context, kv_dtype=kv_dtype,
+                                     decode_activations=decode_activations)
         try:
             pkg = llmpack.read(model_dir)
         except llmpack.PackageError as e:

@@ -95,12 +95,12 @@ class Generator:
 
     def __init__(self, llm: DeviceLLM | None = None, tokenizer=None, *, model_dir=None, gguf=None,
                  socket: str | None = None, progress: bool = True, context: int = llmpack.CONTEXT,
-                 kv_dtype: str = "float32"):
+                 kv_dtype: str = "float32", decode_activations: str = "int8"):
         from ...llm import Tokenizer
 
         self._llm = llm
         self._llm_args = dict(model_dir=model_dir, gguf=gguf, socket=socket, progress=progress, context=context,
-                              kv_dtype=kv_dtype)
+                              kv_dtype=kv_dtype, decode_activations=decode_activations)
         self._context = context
         pkg = None
         if model_dir is not None and llm is None:

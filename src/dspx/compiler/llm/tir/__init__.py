@@ -19,7 +19,7 @@ def kernels(d: Dims, M: int, parallel_gemv: bool, batch: bool = False, tile: tup
     the target's float32 vector lanes (``vector_lanes``)."""
     assert d.head_dim == 64, "the attention kernel's q·k is written for head_dim 64"
     D, F, P, B = d.dim, d.ffn, parallel_gemv, batch
-    L = dict(tile=tile, lanes=lanes)
+    L = dict(tile=tile, lanes=lanes, int8=d.decode_activations == "int8")
     return {
         "rmsnorm": rmsnorm(d, M),
         "kv_write": kv_write(d, M),

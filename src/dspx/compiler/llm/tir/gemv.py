@@ -1,6 +1,18 @@
 """The fused dequantize-GEMV kernels: Q4_1 linear layers (q/k/v, o,
 gate/up, down) and the Q8_0 LM head, each a decode form (one row, TN
-outputs per tile in registers) and a prefill form (M rows)."""
+outputs per tile in registers) and a prefill form (M rows).
+
+Decode's Q4_1 layers (one row, and the batched rows) take their input
+quantized per 32-element block to int8 (``int8``, the default
+``decode_activations``; float32 on request), as llama.cpp's Q8_1 does:
+xd = max|x| / 127, xq = rint(x · (1 / xd)), and each block's dot product is
+integer, Σ nibble · xq, in int16 (16 terms of at most 15 · 127 = 1,905 each:
+30,480 < 32,767, so it never overflows).  The block's value is
+d · xd · Σ(nibble · xq) + m · Σx (Σx exact, in float32).  On a CPU without
+integer dot instructions this is still twice the float32 path's speed: a
+multiply-add of 16 int16 lanes where the float path converted each weight
+to float32 first (decode was bound by that conversion, not by memory).
+Prefill and the Q8_0 LM head stay float32."""
 from __future__ import annotations
 
 from ..sizing import TN
@@ -8,13 +20,14 @@ from .common import REG, decode_slice
 
 
 def gemv_q4_1(M: int, K: int, N: int, parallel: bool, batch: bool = False, tile: tuple[int, int] = (6, 64),
-              lanes: int = 16):
+              lanes: int = 16, int8: bool = True):
     """x (M, K) · W (K -> N) + res -> y (M, N); prefill and batch take the positions too.
     ``tile``: the prefill GEMM's register micro-tile (``prefill_tile``, ``tuning``);
-    ``lanes``: the target's float32 vector lanes, which size the decode slices (``decode_slice``)."""
+    ``lanes``: the target's float32 vector lanes, which size the decode slices (``decode_slice``);
+    ``int8``: decode and batch quantize x (the module docstring)."""
     if M == 1:
-        return _q4_1_decode(K, N, parallel, decode_slice(lanes))
-    return _q4_1_rows(M, K, N, parallel) if batch else _q4_1_prefill(M, K, N, tile)
+        return _q4_1_decode(K, N, parallel, decode_slice(lanes), int8)
+    return _rows_gemv(M, K, N, parallel, True, int8) if batch else _q4_1_prefill(M, K, N, tile)
 
 
 def gemv_q8_0(M: int, K: int, N: int, parallel: bool, batch: bool = False, lanes: int = 16):
@@ -24,38 +37,39 @@ def gemv_q8_0(M: int, K: int, N: int, parallel: bool, batch: bool = False, lanes
     return _q8_0_rows(M, K, N, parallel) if batch else _q8_0_prefill(M, K, N, decode_slice(lanes))
 
 
-def _tile_dot(NB: int, q4: bool, DV: int = TN):
+def _tile_dot(NB: int, q4: bool, DV: int = TN, int8: bool = False):
     """Macro: acc (TN,) = one TN-output tile ``no`` of W times row ``row`` of x.
     Two partial sums per block (s[0], s[1]): 8 independent FMA chains per tile
     instead of 4 (latency, not throughput, bound).  Q4_1 also takes mm and
-    xs (the block sums of x, for the m·Σx term); Q8_0 passes None for them.
+    xs (the block sums of x, for the m·Σx term); with ``int8``, x quantized
+    (xq int16, xd: ``_quantized_rows``) and s int16.  Q8_0 passes None for mm, xs, xd.
     Each block runs in TN/DV slices of DV outputs, s (2, DV) in registers
     (``decode_slice``); every output sums in the same order whatever DV."""
     from tvm.script import tirx as T
 
+    wt = "int16" if int8 else "float32"  # what each weight is converted to
+
     @T.macro
-    def dot(acc, s, x, row, q, dd, mm, xs, no):
+    def dot(acc, s, x, xd, row, q, dd, mm, xs, no):
         for ni in T.vectorized(TN):
             acc[ni] = T.float32(0)
         for b in range(NB):
             for hv in T.unroll(TN // DV):
                 for h in T.unroll(2):
                     for ni in T.vectorized(DV):
-                        s[h, ni] = T.float32(0)
+                        s[h, ni] = T.Cast(s.dtype, 0)
                 if q4:  # low nibbles into s[0], high into s[1]
                     for j in range(16):
                         for ni in T.vectorized(DV):
-                            s[0, ni] = s[0, ni] + (T.Cast("float32", T.bitwise_and(q[no, b, j, hv * DV + ni],
-                                                                                   T.uint8(15)))
+                            s[0, ni] = s[0, ni] + (T.Cast(wt, T.bitwise_and(q[no, b, j, hv * DV + ni], T.uint8(15)))
                                                    * x[row, b * 32 + j])
                         for ni in T.vectorized(DV):
-                            s[1, ni] = s[1, ni] + (T.Cast("float32", T.shift_right(q[no, b, j, hv * DV + ni],
-                                                                                   T.uint8(4)))
+                            s[1, ni] = s[1, ni] + (T.Cast(wt, T.shift_right(q[no, b, j, hv * DV + ni], T.uint8(4)))
                                                    * x[row, b * 32 + 16 + j])
                     for ni in T.vectorized(DV):
-                        acc[hv * DV + ni] = (acc[hv * DV + ni]
-                                             + T.Cast("float32", dd[no, b, hv * DV + ni]) * (s[0, ni] + s[1, ni])
-                                             + T.Cast("float32", mm[no, b, hv * DV + ni]) * xs[row, b])
+                        acc[hv * DV + ni] = _q4_block(acc[hv * DV + ni], dd[no, b, hv * DV + ni],
+                                                      xd[row, b] if int8 else None, s[0, ni], s[1, ni],
+                                                      mm[no, b, hv * DV + ni], xs[row, b])
                 else:  # even and odd elements
                     for j in range(16):
                         for h in T.unroll(2):
@@ -81,33 +95,59 @@ def _real_rows(M: int):
     return count
 
 
-def _block_sums(NB: int):
-    """Macro: xs[r, b] = the sum of block b of row r of x (the m·Σx term of Q4_1), rows 0 … M-1."""
+def _q4_block(acc, d, xd, lo, hi, m, xs):
+    """acc + one Q4_1 block's value from its two partial sums: int16 with xd
+    (the quantized input), else float32 (xd None).  One expression for the
+    decode and the batched rows: the same bits."""
+    from tvm.script import tirx as T
+
+    if xd is None:
+        return acc + T.Cast("float32", d) * (lo + hi) + T.Cast("float32", m) * xs
+    return (acc + T.Cast("float32", d) * xd * T.Cast("float32", T.Cast("int32", lo) + T.Cast("int32", hi))
+            + T.Cast("float32", m) * xs)
+
+
+def _quantized_rows(NB: int, int8: bool = True):
+    """Macro: rows 0 … M-1 of x per 32-element block b: xs[r, b] = Σx (the
+    m·Σx term of Q4_1); with ``int8`` also xd[r, b] = max|x| / 127 and
+    xq[r, k] = rint(x · (1 / xd)) in int16, clamped to ±127 (a NaN in a
+    padding row too).  An all-zero block has xd 0 and xq 0."""
     from tvm.script import tirx as T
 
     @T.macro
-    def block_sums(xs, x, M):
+    def quantize(xs, xd, xq, x, M):
         for r in range(M):
             for b in range(NB):
+                am = T.alloc_buffer((2,), "float32", scope=REG)  # max|x|, then 1 / xd
                 xs[r, b] = T.float32(0)
+                am[0] = T.float32(0)
                 for j in range(32):
                     xs[r, b] = xs[r, b] + x[r, b * 32 + j]
-    return block_sums
+                    if int8:
+                        am[0] = T.max(am[0], T.abs(x[r, b * 32 + j]))
+                if int8:
+                    xd[r, b] = am[0] / T.float32(127)
+                    am[1] = T.Select(am[0] > T.float32(0), T.float32(1) / xd[r, b], T.float32(0))
+                    for j in T.vectorized(32):
+                        xq[r, b * 32 + j] = T.Cast("int16", T.max(T.min(T.nearbyint(x[r, b * 32 + j] * am[1]),
+                                                                        T.float32(127)), T.float32(-127)))
+    return quantize
 
 
 RB = 4   # batched decode: rows per group, sharing each weight's conversion to float32
 TH = 32  # batched decode: outputs per half tile (RB rows x 2 partial sums x TH in registers)
 
 
-def _rows_dot(NB: int, q4: bool, rows: int):
+def _rows_dot(NB: int, q4: bool, rows: int, int8: bool = False):
     """Macro: ``rows`` (2 or RB) rows r0..r3 of x times half ``hh`` of tile
-    ``no``, into acc (rows r0, r1) and acc2 (r2, r3), each (2, TN): each weight is converted to float32 once for
-    the rows, and every row sums exactly as ``_tile_dot`` does (same partial
-    sums, same order), so a batched row's logits are bit for bit the decode
+    ``no``, into acc (rows r0, r1) and acc2 (r2, r3), each (2, TN): each weight is converted once for
+    the rows (to int16 with ``int8``, x quantized as in ``_tile_dot``; else to float32), and every row sums exactly
+    as ``_tile_dot`` does (same partial sums, same order), so a batched row's logits are bit for bit the decode
     entry's."""
     from tvm.script import tirx as T
 
     quad = rows == RB
+    wt = "int16" if int8 else "float32"
 
     @T.macro
     def pair(s, wa, wb, x, ra, rb, ka, kb):  # two rows' partial sums s (2, 2, TH) += w * x
@@ -121,19 +161,19 @@ def _rows_dot(NB: int, q4: bool, rows: int):
             s[1, 1, ni] = s[1, 1, ni] + wb[ni] * x[rb, kb]
 
     @T.macro
-    def scale(acc, i, s, si, r, dd, mm, xs, no, b, hh):  # acc[i] += this block's sum of row r (s[si])
+    def scale(acc, i, s, si, r, dd, mm, xs, xd, no, b, hh):  # acc[i] += this block's sum of row r (s[si])
         if q4:
             for ni in T.vectorized(TH):
-                acc[i, hh * TH + ni] = (acc[i, hh * TH + ni]
-                                        + T.Cast("float32", dd[no, b, hh * TH + ni]) * (s[si, 0, ni] + s[si, 1, ni])
-                                        + T.Cast("float32", mm[no, b, hh * TH + ni]) * xs[r, b])
+                acc[i, hh * TH + ni] = _q4_block(acc[i, hh * TH + ni], dd[no, b, hh * TH + ni],
+                                                 xd[r, b] if int8 else None, s[si, 0, ni], s[si, 1, ni],
+                                                 mm[no, b, hh * TH + ni], xs[r, b])
         else:
             for ni in T.vectorized(TH):
                 acc[i, hh * TH + ni] = (acc[i, hh * TH + ni]
                                         + T.Cast("float32", dd[no, b, hh * TH + ni]) * (s[si, 0, ni] + s[si, 1, ni]))
 
     @T.macro
-    def dot(acc, acc2, sa, sb, wa, wb, x, r0, r1, r2, r3, q, dd, mm, xs, no):
+    def dot(acc, acc2, sa, sb, wa, wb, x, xd, r0, r1, r2, r3, q, dd, mm, xs, no):
         # acc (2, TN): rows r0, r1; acc2: r2, r3.  Both halves of a block back to back (its bytes
         # stay in L1 and the weights stream from memory in order)
         for i in T.unroll(2):
@@ -145,13 +185,13 @@ def _rows_dot(NB: int, q4: bool, rows: int):
                 for i in T.unroll(2):
                     for h in T.unroll(2):
                         for ni in T.vectorized(TH):
-                            sa[i, h, ni] = T.float32(0)
-                            sb[i, h, ni] = T.float32(0)
+                            sa[i, h, ni] = T.Cast(sa.dtype, 0)
+                            sb[i, h, ni] = T.Cast(sb.dtype, 0)
                 for j in range(16):
                     if q4:  # low nibbles (element j) into s[., 0], high (element 16 + j) into s[., 1]
                         for ni in T.vectorized(TH):
-                            wa[ni] = T.Cast("float32", T.bitwise_and(q[no, b, j, hh * TH + ni], T.uint8(15)))
-                            wb[ni] = T.Cast("float32", T.shift_right(q[no, b, j, hh * TH + ni], T.uint8(4)))
+                            wa[ni] = T.Cast(wt, T.bitwise_and(q[no, b, j, hh * TH + ni], T.uint8(15)))
+                            wb[ni] = T.Cast(wt, T.shift_right(q[no, b, j, hh * TH + ni], T.uint8(4)))
                         pair(sa, wa, wb, x, r0, r1, b * 32 + j, b * 32 + 16 + j)
                         if quad:
                             pair(sb, wa, wb, x, r2, r3, b * 32 + j, b * 32 + 16 + j)
@@ -162,15 +202,15 @@ def _rows_dot(NB: int, q4: bool, rows: int):
                         pair(sa, wa, wb, x, r0, r1, b * 32 + 2 * j, b * 32 + 2 * j + 1)
                         if quad:
                             pair(sb, wa, wb, x, r2, r3, b * 32 + 2 * j, b * 32 + 2 * j + 1)
-                scale(acc, 0, sa, 0, r0, dd, mm, xs, no, b, hh)
-                scale(acc, 1, sa, 1, r1, dd, mm, xs, no, b, hh)
+                scale(acc, 0, sa, 0, r0, dd, mm, xs, xd, no, b, hh)
+                scale(acc, 1, sa, 1, r1, dd, mm, xs, xd, no, b, hh)
                 if quad:
-                    scale(acc2, 0, sb, 0, r2, dd, mm, xs, no, b, hh)
-                    scale(acc2, 1, sb, 1, r3, dd, mm, xs, no, b, hh)
+                    scale(acc2, 0, sb, 0, r2, dd, mm, xs, xd, no, b, hh)
+                    scale(acc2, 1, sb, 1, r3, dd, mm, xs, xd, no, b, hh)
     return dot
 
 
-def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool):
+def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool, int8: bool = False):
     """Batched decode GEMV: up to 2 real rows as one pair, more in groups of
     RB (the last group clamps to the last row and computes it again), rows
     after the last real one (position -1) skipped; Q4_1 adds the residual
@@ -181,7 +221,9 @@ def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool):
     assert M >= 2
     NB = K // 32
     loop = T.parallel if parallel else T.serial
-    dot2, dot4, block_sums, real_rows = _rows_dot(NB, q4, 2), _rows_dot(NB, q4, RB), _block_sums(NB), _real_rows(M)
+    dot2, dot4, real_rows = _rows_dot(NB, q4, 2, int8), _rows_dot(NB, q4, RB, int8), _real_rows(M)
+    quantize = _quantized_rows(NB, int8)
+    st = "int16" if int8 else "float32"  # the partial sums and the converted weights
     QS = (N // TN, NB, 16, TN) if q4 else (N // TN, NB, 32, TN)
 
     @T.macro
@@ -193,20 +235,20 @@ def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool):
                 y[0, r, no * TN + ni] = acc[i, ni]
 
     @T.macro
-    def tile(nr, x, q, dd, mm, xs, res, y, no):
+    def tile(nr, x, xd, q, dd, mm, xs, res, y, no):
         acc = T.alloc_buffer((2, TN), "float32", scope=REG)
         acc2 = T.alloc_buffer((2, TN), "float32", scope=REG)
-        sa = T.alloc_buffer((2, 2, TH), "float32", scope=REG)
-        sb = T.alloc_buffer((2, 2, TH), "float32", scope=REG)
-        wa = T.alloc_buffer((TH,), "float32", scope=REG)
-        wb = T.alloc_buffer((TH,), "float32", scope=REG)
+        sa = T.alloc_buffer((2, 2, TH), st, scope=REG)
+        sb = T.alloc_buffer((2, 2, TH), st, scope=REG)
+        wa = T.alloc_buffer((TH,), st, scope=REG)
+        wb = T.alloc_buffer((TH,), st, scope=REG)
         if nr[0] <= 2:
-            dot2(acc, acc2, sa, sb, wa, wb, x, 0, 1, 0, 0, q, dd, mm, xs, no)
+            dot2(acc, acc2, sa, sb, wa, wb, x, xd, 0, 1, 0, 0, q, dd, mm, xs, no)
             for i in T.unroll(2):
                 store(y, res, acc, i, i, no)
         else:
             for ro in range((nr[0] + RB - 1) // RB):
-                dot4(acc, acc2, sa, sb, wa, wb, x, T.min(ro * RB, M - 1), T.min(ro * RB + 1, M - 1),
+                dot4(acc, acc2, sa, sb, wa, wb, x, xd, T.min(ro * RB, M - 1), T.min(ro * RB + 1, M - 1),
                      T.min(ro * RB + 2, M - 1), T.min(ro * RB + 3, M - 1), q, dd, mm, xs, no)
                 for i in T.unroll(2):
                     store(y, res, acc, i, T.min(ro * RB + i, M - 1), no)
@@ -221,12 +263,14 @@ def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool):
             nr = T.alloc_buffer((1,), "int32", scope=REG)
             real_rows(nr, pos, 0)
             xs = T.alloc_buffer((M, NB), "float32")
-            block_sums(xs, x, M)
+            xd = T.alloc_buffer((M, NB), "float32")
+            xq = T.alloc_buffer((M, K), "int16")
+            quantize(xs, xd, xq, x, M)
             for no in loop(N // TN):
                 for r in range(M):
                     for ni in T.vectorized(TN):
                         y[r, no * TN + ni] = res[r, no * TN + ni]
-                tile(nr, x, q, dd, mm, xs, res, y, no)
+                tile(nr, xq if int8 else x, xd, q, dd, mm, xs, res, y, no)
         return f
 
     @T.prim_func(private=True)
@@ -239,24 +283,20 @@ def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool):
             for r in range(M):
                 for ni in T.vectorized(TN):
                     y[0, r, no * TN + ni] = T.float32(0)
-            tile(nr, x, q, dd, None, None, None, y, no)
+            tile(nr, x, None, q, dd, None, None, None, y, no)
     return g
-
-
-def _q4_1_rows(M: int, K: int, N: int, parallel: bool):
-    return _rows_gemv(M, K, N, parallel, True)
 
 
 def _q8_0_rows(M: int, K: int, N: int, parallel: bool):
     return _rows_gemv(M, K, N, parallel, False)
 
 
-def _q4_1_decode(K: int, N: int, parallel: bool, DV: int = TN):
+def _q4_1_decode(K: int, N: int, parallel: bool, DV: int = TN, int8: bool = True):
     from tvm.script import tirx as T
 
     NB = K // 32
     loop = T.parallel if parallel else T.serial
-    dot, block_sums = _tile_dot(NB, True, DV), _block_sums(NB)
+    dot, quantize = _tile_dot(NB, True, DV, int8), _quantized_rows(NB, int8)
 
     @T.prim_func(private=True)
     def f(x: T.Buffer((1, K), "float32"), q: T.Buffer((N // TN, NB, 16, TN), "uint8"),
@@ -264,11 +304,13 @@ def _q4_1_decode(K: int, N: int, parallel: bool, DV: int = TN):
           res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
         T.func_attr({"tir.noalias": True})
         xs = T.alloc_buffer((1, NB), "float32")
-        block_sums(xs, x, 1)
+        xd = T.alloc_buffer((1, NB), "float32")
+        xq = T.alloc_buffer((1, K), "int16")
+        quantize(xs, xd, xq, x, 1)
         for no in loop(N // TN):
             acc = T.alloc_buffer((TN,), "float32", scope=REG)
-            s = T.alloc_buffer((2, DV), "float32", scope=REG)
-            dot(acc, s, x, 0, q, dd, mm, xs, no)
+            s = T.alloc_buffer((2, DV), "int16" if int8 else "float32", scope=REG)
+            dot(acc, s, xq if int8 else x, xd, 0, q, dd, mm, xs, no)
             for ni in T.vectorized(TN):
                 y[0, no * TN + ni] = res[0, no * TN + ni] + acc[ni]
     return f
@@ -353,7 +395,7 @@ def _q8_0_decode(K: int, N: int, parallel: bool, DV: int = TN):
         for no in loop(N // TN):
             acc = T.alloc_buffer((TN,), "float32", scope=REG)
             s = T.alloc_buffer((2, DV), "float32", scope=REG)
-            dot(acc, s, x, 0, q, dd, None, None, no)
+            dot(acc, s, x, None, 0, q, dd, None, None, no)
             for ni in T.vectorized(TN):
                 y[0, 0, no * TN + ni] = acc[ni]
     return f
@@ -379,7 +421,7 @@ def _q8_0_prefill(M: int, K: int, N: int, DV: int = TN):
             acc = T.alloc_buffer((TN,), "float32", scope=REG)
             s = T.alloc_buffer((2, DV), "float32", scope=REG)
             last = nr[0] - 1
-            dot(acc, s, x, last, q, dd, None, None, no)
+            dot(acc, s, x, None, last, q, dd, None, None, no)
             for r in range(M):
                 for ni in T.vectorized(TN):
                     y[0, r, no * TN + ni] = T.Select(r == last, acc[ni], T.float32(0))
