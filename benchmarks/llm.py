@@ -290,16 +290,11 @@ def read_bandwidth() -> float:
 
 def cpu_info() -> dict:
     """This CPU: its model name, LLVM's name for it, and the SIMD flags the kernels care about."""
-    from dspx.compiler.llm.tuning import cpu_model
+    from dspx import cpuinfo
     from dspx.compiler.target import detect_mcpu
 
-    flags = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    return {"model": cpu_model(), "mcpu": detect_mcpu(), "flags": [f for f in SIMD_FLAGS if f in flags]}
+    flags = cpuinfo.flags() or frozenset()
+    return {"model": cpuinfo.model_name(), "mcpu": detect_mcpu(), "flags": [f for f in SIMD_FLAGS if f in flags]}
 
 
 def main() -> int:

@@ -83,15 +83,6 @@ def time_kernel(func, name, target, args, repeat):
     return time_calls(build(func, name, target), args, repeat)
 
 
-def cpu_mhz() -> float | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            m = re.search(r"^cpu MHz\s*:\s*([\d.]+)", f.read(), re.M)
-        return float(m.group(1)) if m else None
-    except OSError:
-        return None
-
-
 def decode_gemvs(d, target, lanes: int, rng, repeat: int) -> dict:
     """Each decode GEMV (M = 1) per kind of decode activations: CPU time per call with its weights
     rotated over 30 copies, and the weight bytes it reads per second (medians of ROUNDS rounds)."""
@@ -148,7 +139,7 @@ def main() -> int:
     lanes = L.vector_lanes(cpu_features(str(target.attrs["mcpu"])))
     rng = np.random.default_rng(0)
     d = L.Dims(**SMOLLM2)
-    tile = prefill_tile_for(d, target, lanes, here=True)  # what compile_llm picks on this machine
+    tile = prefill_tile_for(d, target, lanes, runs_here=True)  # what compile_llm picks on this machine
     ks = L.kernels(d, d.chunk, True, tile=tuple(tile["tile"]), lanes=lanes)
     gemm = {"gemv_qkv": (d.dim, d.qkv), "gemv_o": (d.dim, d.dim), "gemv_gate_up": (d.dim, 2 * d.ffn),
             "gemv_down": (d.ffn, d.dim), "lm_head": (d.dim, d.vocab)}
@@ -176,7 +167,9 @@ def main() -> int:
         print(f"{name:14s} {cost[name] * 1e6:9.1f} {calls:6d} {cost[name] * calls * 1e3:9.2f} "
               f"{cost[name] * calls / total:6.1%} {gf:>8s}")
     print(f"{'total':14s} {'':9s} {'':6s} {total * 1e3:9.2f}  -> {a.rows / total:.0f} tok/s on one core")
-    mhz = cpu_mhz()
+    from dspx import cpuinfo
+
+    mhz = cpuinfo.mhz()
     if mhz:  # two FMA pipes of `lanes` float32, 2 flops each, at the clock /proc/cpuinfo reports
         peak = 2 * 2 * lanes * mhz / 1e3
         results["fma_peak_gflop_s_one_core"] = round(peak, 1)

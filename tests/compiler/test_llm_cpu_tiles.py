@@ -179,14 +179,14 @@ def test_the_measured_tile_is_cached_per_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("DSPX_CACHE", str(tmp_path))
     d = Dims(n_layers=1, dim=64, n_heads=1, n_kv=1, head_dim=64, ffn=64, vocab=64, theta=1e4, eps=1e-5)
     target = tvm.target.Target({"kind": "llvm", "mcpu": "x86-64-v3"})
-    assert prefill_tile_for(d, target, 8, here=False)["tile"] == [6, 16]  # another CPU: the register-count default
-    choice = prefill_tile_for(d, target, 8, here=True)
+    assert prefill_tile_for(d, target, 8, runs_here=False)["tile"] == [6, 16]  # another CPU: the register-count default
+    choice = prefill_tile_for(d, target, 8, runs_here=True)
     assert tuple(choice["tile"]) in CANDIDATES[8] and set(choice["us"]) == {"6x16", "4x16", "2x32"}
     assert min(choice["us"], key=choice["us"].get) == "x".join(map(str, choice["tile"]))
     (cached,) = (tmp_path / "llm-tiles").glob("*.json")
     cached.write_text(json.dumps({**choice, "tile": [2, 32], "chosen_by": "planted"}))
-    assert prefill_tile_for(d, target, 8, here=True)["chosen_by"] == "planted"  # read back, not timed again
+    assert prefill_tile_for(d, target, 8, runs_here=True)["chosen_by"] == "planted"  # read back, not timed again
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     monkeypatch.setenv("DSPX_CACHE", str(blocked / "cache"))  # a cache that cannot be made: timed, not cached
-    assert tuple(prefill_tile_for(d, target, 8, here=True)["tile"]) in CANDIDATES[8]
+    assert tuple(prefill_tile_for(d, target, 8, runs_here=True)["tile"]) in CANDIDATES[8]

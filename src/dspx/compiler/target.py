@@ -4,8 +4,8 @@ whether this machine has them."""
 from __future__ import annotations
 
 import os
-import re
-from pathlib import Path
+
+from .. import cpuinfo
 
 
 def detect_mcpu() -> str:
@@ -20,7 +20,7 @@ def detect_mcpu() -> str:
             return cpu
     except Exception:  # older/limited LLVM builds lack these helpers
         pass
-    flags = _cpuinfo_flags()
+    flags = cpuinfo.flags()
     if flags is None:
         return "x86-64"
     if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= flags:
@@ -96,20 +96,10 @@ def make_target(target: str | None = None) -> dict:
 def missing_here(features: list[str]) -> list[str]:
     """Features the target needs that this machine's CPU lacks (then the
     module cannot be verified here)."""
-    have = _cpuinfo_flags()
+    have = cpuinfo.flags()
     if have is None:
         return []
     return sorted(set(features) - have)
-
-
-def _cpuinfo_flags() -> set[str] | None:
-    """This CPU's /proc/cpuinfo flags (None when the file cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    m = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
-    return set(m.group(1).split()) if m else set()
 
 
 def detect_target(threads: int | None = None):

@@ -111,7 +111,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
         digest = write_weights(outdir / WEIGHTS_FILE, weights)
     lanes = vector_lanes(features)
     with prog.stage("tile", "choose the prefill GEMM micro-tile"):
-        tile = prefill_tile_for(d, target, lanes, here=not missing_here(features))
+        tile = prefill_tile_for(d, target, lanes, runs_here=not missing_here(features))
     entries = {}
     # Decode twice: GEMVs on one thread and on all of them; the host times both
     # at load and keeps the faster on that machine (two threads lose when the

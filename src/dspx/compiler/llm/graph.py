@@ -12,7 +12,7 @@ from .tir import kernels
 
 
 def entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv: bool, batch: bool = False,
-          tile: tuple[int, int] = (6, 64), lanes: int = 16):
+          tile: tuple[int, int] | None = None, *, lanes: int):
     """IRModule whose ``main`` is one forward pass over M tokens (``batch``:
     M decode rows, each a GEMV of its own, every real row's logits), its
     prefill GEMMs on register micro-tiles of ``tile`` (rows, outputs), its
@@ -22,7 +22,7 @@ def entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv:
     def ty(shape, dtype):
         return relax.TensorType(shape, dtype)
 
-    ks = kernels(d, M, parallel_gemv, batch, tile, lanes)
+    ks = kernels(d, M, parallel_gemv, batch, tile, lanes=lanes)
     bb = relax.BlockBuilder()
     gv = {name: bb.add_func(f, name) for name, f in ks.items()}
     ids = relax.Var("ids", ty((1, M), "int64"))

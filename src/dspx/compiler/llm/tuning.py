@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 
-from dspx import cache
+from dspx import cache, cpuinfo
 
 from .sizing import TN, Dims
 from .tir import prefill_tile
@@ -31,24 +30,14 @@ TIMED_ROWS = (37, 64)  # a short prompt's chunk (a partial last group) and a ful
 REPEAT = 5
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
-def prefill_tile_for(d: Dims, target, lanes: int, here: bool) -> dict:
+def prefill_tile_for(d: Dims, target, lanes: int, runs_here: bool) -> dict:
     """{"tile": [rows, outputs], "chosen_by": ..., "us": {tile: CPU µs}}: measured when the
-    modules are for this machine (``here``), else ``prefill_tile(lanes)``."""
-    if not here:
+    modules run on this machine (``runs_here``), else ``prefill_tile(lanes)``."""
+    if not runs_here:
         return {"tile": list(prefill_tile(lanes)), "chosen_by": "register count (built for another CPU)"}
     from dspx.compiler import compiler_digest
 
-    key = cache.digest((), cpu_model(), str(target), compiler_digest(), f"{lanes} {d.dim}x{d.ffn}")
+    key = cache.digest((), cpuinfo.model_name(), str(target), compiler_digest(), f"{lanes} {d.dim}x{d.ffn}")
     path = cache.area("llm-tiles") / f"{key}.json"
     try:
         return json.loads(path.read_text())
@@ -57,7 +46,7 @@ def prefill_tile_for(d: Dims, target, lanes: int, here: bool) -> dict:
     us = {f"{r}x{n}": _time_tile((r, n), d, target) for r, n in CANDIDATES[lanes]}
     best = min(us, key=us.get)
     choice = {"tile": [int(v) for v in best.split("x")], "us": us,
-              "chosen_by": f"fastest of {len(us)} timed on {cpu_model()}"}
+              "chosen_by": f"fastest of {len(us)} timed on {cpuinfo.model_name()}"}
     try:  # a cache that cannot be written costs the timing again next build, not the build
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

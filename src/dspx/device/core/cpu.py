@@ -10,22 +10,13 @@ features the target needs in the module's signature (``cpu_features``,
 """
 from __future__ import annotations
 
-import functools
-import re
-
+from dspx import cpuinfo
 from dspx.device.core.errors import LoadError
 
 
-@functools.lru_cache(maxsize=1)
 def host_features() -> frozenset[str]:
-    """The CPU flags this device's CPU has (``/proc/cpuinfo``, first processor)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return frozenset()
-    m = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
-    return frozenset(m.group(1).split()) if m else frozenset()
+    """The CPU flags this device's CPU has (``/proc/cpuinfo``, first processor; none when unreadable)."""
+    return cpuinfo.flags() or frozenset()
 
 
 def missing_features(required, have=None) -> list[str]:

@@ -11,11 +11,11 @@ from .kv import kv_write
 from .pointwise import embed, rmsnorm, silu_mul
 
 
-def kernels(d: Dims, M: int, parallel_gemv: bool, batch: bool = False, tile: tuple[int, int] = (6, 64),
-            lanes: int = 16) -> dict:
+def kernels(d: Dims, M: int, parallel_gemv: bool, batch: bool = False, tile: tuple[int, int] | None = None, *,
+            lanes: int) -> dict:
     """Every kernel for one entry (M = rows per call: 64 prefill, 1 decode,
     BATCH_ROWS a batched decode step: ``batch``), by the name the entry calls it;
-    ``tile``: the prefill GEMMs' register micro-tile (``prefill_tile``), ``lanes``:
+    ``tile``: the prefill GEMMs' register micro-tile (default ``prefill_tile(lanes)``), ``lanes``:
     the target's float32 vector lanes (``vector_lanes``)."""
     assert d.head_dim == 64, "the attention kernel's q·k is written for head_dim 64"
     D, F, P, B = d.dim, d.ffn, parallel_gemv, batch

@@ -16,18 +16,18 @@ Prefill and the Q8_0 LM head stay float32."""
 from __future__ import annotations
 
 from ..sizing import TN
-from .common import REG, decode_slice
+from .common import REG, decode_slice, prefill_tile
 
 
-def gemv_q4_1(M: int, K: int, N: int, parallel: bool, batch: bool = False, tile: tuple[int, int] = (6, 64),
+def gemv_q4_1(M: int, K: int, N: int, parallel: bool, batch: bool = False, tile: tuple[int, int] | None = None,
               lanes: int = 16, int8: bool = True):
     """x (M, K) · W (K -> N) + res -> y (M, N); prefill and batch take the positions too.
-    ``tile``: the prefill GEMM's register micro-tile (``prefill_tile``, ``tuning``);
+    ``tile``: the prefill GEMM's register micro-tile (``tuning``; default ``prefill_tile(lanes)``);
     ``lanes``: the target's float32 vector lanes, which size the decode slices (``decode_slice``);
     ``int8``: decode and batch quantize x (the module docstring)."""
     if M == 1:
         return _q4_1_decode(K, N, parallel, decode_slice(lanes), int8)
-    return _rows_gemv(M, K, N, parallel, True, int8) if batch else _q4_1_prefill(M, K, N, tile)
+    return _rows_gemv(M, K, N, parallel, True, int8) if batch else _q4_1_prefill(M, K, N, tile or prefill_tile(lanes))
 
 
 def gemv_q8_0(M: int, K: int, N: int, parallel: bool, batch: bool = False, lanes: int = 16):
