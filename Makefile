@@ -26,7 +26,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/lint-imports --no-cache  # the layers of docs/architecture.md ([tool.importlinter] in pyproject.toml)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15  # the slowest tests, for the suite's time budget
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/ping.py
