@@ -76,7 +76,16 @@ def test_a_process_alone_on_the_device_may_use_all_of_it(dev):
         assert b.alloc(24 * MiB).size == 24 * MiB
 
 
-def test_loading_the_same_module_again_and_again_stops_at_the_process_ddr_share(dev, compiled):
+@pytest.fixture
+def small_ddr_dev():
+    """An 8 MiB DDR pool: its 6 MiB share fills in ~60 loads (the 64 MiB pool's 48 took ~480, 83 s)."""
+    d = Device("--carveout-size", "64M", "--ddr-pool-size", "8M")
+    yield d
+    d.stop()
+
+
+def test_loading_the_same_module_again_and_again_stops_at_the_process_ddr_share(small_ddr_dev, compiled):
+    dev = small_ddr_dev
     elf = (compiled("multi_output") / "model.so").read_bytes()
     other = _holder(dev.path, 1)  # another process is connected: the share binds
     assert _until_held(other)[0] == 1
@@ -84,7 +93,7 @@ def test_loading_the_same_module_again_and_again_stops_at_the_process_ddr_share(
         first = c.load_module(elf)
         one = c.pools()["ddr_used"]
         assert one > 0
-        share = 48 * MiB
+        share = 8 * MiB * 3 // 4  # three quarters of the pool per process while another is connected
         n = 1
         with pytest.raises(OutOfMemory) as e:
             for _ in range(share // one + 2):
