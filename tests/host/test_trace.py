@@ -135,19 +135,31 @@ def test_every_leg_has_its_track(traced):
         assert all(e["name"] == "dma copy" and e["args"]["bytes"] > 0 for e in tracks[k])
 
 
-def test_dma_overlaps_ping_pong_tile_compute(traced):
+def test_dma_is_in_flight_during_ping_pong_tile_compute(traced):
+    """Ping-pong by the trace's own stamps: a copy is in flight during a tile when the
+    task queued it before the tile's compute began and first waited on its channel
+    after the compute ended.  Whether the bytes move during the compute too is up
+    to the scheduler (most do on a quiet machine; none may on a loaded one), so the
+    count is of the program's order, not of wall-clock overlap."""
     data, _ = traced
     names, threads, tracks = _tracks(data["traceEvents"])
     core = next(k for k, v in threads.items() if v == "core 0")
     tiles = [e for e in tracks[core] if e["name"].startswith("tile ")]
-    copies = [e for k, v in threads.items() if v in ("dma channel 0", "dma channel 1") for e in tracks[k]]
+    copies = [(int(v[-1]), e) for k, v in threads.items() if v in ("dma channel 0", "dma channel 1")
+              for e in tracks[k]]
     # 3 passes x 8 tiles; each pass fetches 8 tiles, the last two write 8 back
     assert len(tiles) == 24 and len(copies) == 8 * 3 + 8 * 2
-    assert sum(c["args"]["bytes"] for c in copies) == 40 * (128 << 10) * 4
-    overlapping = [t for t in tiles if any(c["ts"] < _end(t) and t["ts"] < _end(c) for c in copies)]
-    # Most tiles overlap the next fetch or the last write-back on a quiet
-    # machine (16 of 24 here at load 9); two is the structural minimum.
-    assert len(overlapping) >= 2, f"only {len(overlapping)} of {len(tiles)} tiles overlap a transfer"
+    assert sum(c["args"]["bytes"] for _, c in copies) == 40 * (128 << 10) * 4
+    waits = {ch: sorted(e["ts"] for e in tracks[core] if e["name"] == f"dma wait ch{ch}") for ch in (0, 1)}
+
+    def in_flight(tile, ch, copy):
+        issued = copy["args"]["issued"]
+        first_wait = next((w for w in waits[ch] if w >= issued), float("inf"))
+        return issued <= tile["ts"] and first_wait >= _end(tile)
+    covered = [t for t in tiles if any(in_flight(t, ch, c) for ch, c in copies)]
+    # tile k of a pass computes while tile k+1's fetch is in flight (7 of 8), and the last tile
+    # while the previous tile's write-back is (passes 2 and 3): 7 + 8 + 8
+    assert len(covered) == 23, f"{len(covered)} of {len(tiles)} tiles compute with a copy in flight"
 
 
 def test_one_clock_host_send_and_wait_bracket_the_device_job(traced):

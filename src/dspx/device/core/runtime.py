@@ -219,10 +219,11 @@ class TileManager:
 # ------------------------------------------------------------------ DMA engine
 
 class _Copy:
-    __slots__ = ("src", "dst", "tiles", "done", "error")
+    __slots__ = ("src", "dst", "tiles", "done", "error", "issued")
 
     def __init__(self, src: np.ndarray, dst: np.ndarray, tiles: list[int]):
         self.src, self.dst, self.tiles = src, dst, tiles
+        self.issued = trace.clock() if trace.on else 0  # when the task queued it (the trace's copy span says)
         # a bare lock held until the worker finishes: far cheaper than an Event per copy
         self.done = threading.Lock()
         self.done.acquire()
@@ -354,7 +355,7 @@ class DmaEngine:
                 if trace.on:  # every transfer on its channel's track (dspx.trace)
                     channel = threading.current_thread().name.removeprefix("dspx-dma")
                     trace.recorder().name_thread(f"dma channel {channel}")
-                    with trace.span("dma copy", "dma", {"bytes": int(job.dst.nbytes)}):
+                    with trace.span("dma copy", "dma", {"bytes": int(job.dst.nbytes), "issued": job.issued / 1000}):
                         self._do_copy(job.src, job.dst)
                 else:
                     self._do_copy(job.src, job.dst)
