@@ -134,7 +134,7 @@ def test_compile_llm_writes_a_package_that_runs_like_the_reference(big_device, t
         ("tiny", 1, 64, 1, 1, 128, 128), m
     assert m["decode_activations"] == "float32"
     assert res["context"] == 64 and res["kv"]["count"] == 2 and res["kv"]["shape"] == [1, 1, 64, 64], res["kv"]
-    for name in ("prefill", "decode", "decode_parallel"):
+    for name in ("prefill", "decode", "decode_parallel", "decode_batch", "decode_batch_parallel"):
         assert (out / res["modules"][name]["module"]).is_file(), name
     assert json.loads((out / "metadata.json").read_text())["weights"] == res["weights"]
 

@@ -10,6 +10,7 @@ decode GEMV's order, so the logits are equal bit for bit, not just the
 greedy tokens."""
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from pathlib import Path
@@ -32,6 +33,14 @@ def llm():
 
     with llm_on_own_device(compiled_dir(cache_dir=CACHE, progress=False)) as m:
         yield m
+
+
+@pytest.fixture(autouse=True)
+def batch_kind_kept(llm):
+    """Tests that switch the batch module switch it back: the others see the timed choice."""
+    kind = llm.batch_kind
+    yield
+    llm.use_batch(llm.batch_choice["chosen"] if llm.batch_choice else kind)
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +81,13 @@ def _kv_blocks(llm):
             for off in llm.kv_offsets]
 
 
-def test_batched_decode_equals_each_slot_alone(llm, enc, alone):
+@pytest.mark.parametrize("kind", ["serial", "parallel"])
+def test_batched_decode_equals_each_slot_alone(llm, enc, alone, kind):
+    """On both batch modules: the parallel one splits the output tiles and the
+    (row, KV head) items over the threads, never a sum."""
     assert alone[0][0][:len(FRANCE_IDS)] == FRANCE_IDS
     assert llm.set_slots(4) == 64
+    llm.use_batch(kind)
     slots = [3, 1, 0, 2]  # prompt i in slot slots[i]: not in order, and prompt 0 away from slot 0
     ids = [[] for _ in enc]
     logits = [[] for _ in enc]
@@ -94,6 +107,32 @@ def test_batched_decode_equals_each_slot_alone(llm, enc, alone):
         ids[i] = [int(np.argmax(x)) for x in logits[i]]
         assert ids[i] == alone[i][0], (PROMPTS[i], ids[i], alone[i][0])
         np.testing.assert_array_equal(np.stack(logits[i]), alone[i][1])
+
+
+def test_the_first_slots_time_both_batch_modules_and_leave_the_kv_as_it_was(llm):
+    """The choice runs a 4-row step at cache positions 0..3 of each module; every
+    KV byte is put back (a slot may hold a conversation by then)."""
+    from dspx.llm import LLMError
+
+    llm.set_slots(4)
+    first = llm.batch_choice  # made by the first set_slots(4)
+    assert first["chosen"] in ("serial", "parallel") and first["serial_ms"] > 0 and first["parallel_ms"] > 0
+    rng = np.random.default_rng(7)
+    kv = _kv_blocks(llm)
+    for t in kv:
+        t[...] = rng.integers(0, 256, t.shape, dtype=np.uint8)
+    before = [t.copy() for t in kv]
+    again = llm._choose_batch()
+    assert llm.batch_kind == again["chosen"]
+    for t, b in zip(kv, before):
+        np.testing.assert_array_equal(t, b)
+    llm._threads = "parallel"  # DeviceLLM(decode_threads=...) / $DSPX_LLM_DECODE decide the batch module too
+    try:
+        assert llm._choose_batch() == {"chosen": "parallel", "why": "asked"} and llm.batch_kind == "parallel"
+    finally:
+        llm._threads = None
+    with pytest.raises(LLMError, match="batch module 'both': use serial or parallel"):
+        llm.use_batch("both")
 
 
 def test_a_slot_reads_only_its_own_kv_and_padding_rows_write_none(llm, enc, alone):
@@ -179,13 +218,14 @@ def test_serve_llm_parallel_answers_concurrent_clients_as_alone(llm, tok):
     one-slot Generator's greedy text); a prompt longer than a slot is a 400 naming the slot's size."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
-    from test_serve_llm import _Server
+    from test_serve_llm import _get_text, _Server
 
     from dspx.host.llm import Generator
     from dspx.host.serve_llm import LLMService, create_app
 
     prompts = PROMPTS[:3]
     gen = Generator(llm, tok)
+    llm.use_decode("serial")  # what the slots' lone rows run (alone() sets it too; this test may run without it)
     want = {p: gen.generate([{"role": "user", "content": p}], 10).text for p in prompts}
     svc = LLMService(gen, max_queue=4, parallel=4)
     server = _Server(create_app(svc))
@@ -205,6 +245,11 @@ def test_serve_llm_parallel_answers_concurrent_clients_as_alone(llm, tok):
         assert got == want
         with pytest.raises(openai.BadRequestError, match=r"this model's context holds 64 \(prompt \+ answer\)"):
             client.chat.completions.create(model="x", messages=[{"role": "user", "content": "word " * 60}])
+        # /props: a lone row on the serial decode (slots sum as it does), the batched step on the timed winner
+        mods = json.loads(_get_text(server, "/props"))["dspx"]
+        timing = mods["batch_timing"]
+        assert mods["decode"] == "serial" and mods["batch"] == timing["chosen"] == llm.batch_kind
+        assert timing["serial_ms"] > 0 and timing["parallel_ms"] > 0
     finally:
         server.stop()
         svc.close()

@@ -419,6 +419,8 @@ def test_props_and_slots(server, service):
     props = json.loads(_get_text(server, "/props"))
     assert props["default_generation_settings"]["n_ctx"] == 256 and props["total_slots"] == 1
     assert "<|im_start|>" in props["chat_template"] and props["eos_token"] == "<|im_end|>"
+    mods = props["dspx"]  # one slot: the load's decode choice, no batched step (4 slots: test_llm_slots.py)
+    assert mods["decode"] == mods["decode_timing"]["chosen"] in ("serial", "parallel") and "batch" not in mods
     slots = json.loads(_get_text(server, "/slots"))
     assert [(s["id"], s["n_ctx"], s["is_processing"]) for s in slots] == [(0, 256, False)]
 

@@ -5,7 +5,8 @@ A package is a directory: ``prefill.so`` and ``decode.so`` (two modules of
 the ordinary module format; optionally ``decode_parallel.so``, the same
 decode entry with multi-threaded GEMVs, chosen by timing at load, and
 ``decode_batch.so``, one decode step for up to ``BATCH_ROWS`` rows of
-different KV slots; every entry takes ids, positions and bases — each row's
+different KV slots, with ``decode_batch_parallel.so``, the same step on all
+threads, chosen by timing when slots are set; every entry takes ids, positions and bases — each row's
 slot's first cache position — then the KV), one ``weights.bin`` all take through
 MODEL_LOAD, and ``metadata.json`` with ``format: dspx-llm/1``, the model's
 dimensions, the context and prefill chunk, the tokenizer's source, and the
@@ -26,6 +27,7 @@ PREFILL_FILE = "prefill.so"
 DECODE_FILE = "decode.so"
 DECODE_PARALLEL_FILE = "decode_parallel.so"  # the same entry with its GEMVs on all threads (optional)
 DECODE_BATCH_FILE = "decode_batch.so"  # one decode step for up to BATCH_ROWS slots (optional)
+DECODE_BATCH_PARALLEL_FILE = "decode_batch_parallel.so"  # the same step on all threads (optional)
 BATCH_ROWS = 4  # decode rows per batched call (a step of more active slots takes several calls)
 WEIGHTS_FILE = "weights.bin"
 CONTEXT = 256  # tokens: the float32 KV of 30 layers fills the 12 MiB KV region

@@ -275,6 +275,15 @@ def _embedding_json(vec: np.ndarray, encoding: str):
     return base64.b64encode(vec.astype("<f4").tobytes()).decode() if encoding == "base64" else vec.tolist()
 
 
+def _decode_modules(llm, slots: bool) -> dict:
+    """Which decode module a lone row and the slots' batched step run on
+    ("serial" | "parallel"), with the timings that chose them."""
+    out = {"decode": getattr(llm, "decode_kind", None), "decode_timing": getattr(llm, "decode_choice", None)}
+    if slots:
+        out.update(batch=llm.batch_kind, batch_timing=llm.batch_choice)
+    return out
+
+
 def add_routes(app, service, authorize, read_body) -> None:
     """llama-server's endpoints on ``app`` (``authorize(request)`` raises without the API key;
     ``await read_body(request)`` is the body, bounded as the completion endpoints' are)."""
@@ -355,7 +364,8 @@ def add_routes(app, service, authorize, read_body) -> None:
                                "repeat_last_n": 64, "n_predict": -1, "seed": -1}},
                 "total_slots": service.parallel, "model_path": str(gen.llm.dir),
                 "chat_template": gen.tok.chat_template or "", "eos_token": gen.tok.id_to_token(gen.eos_id),
-                "build_info": f"dspx {__version__}", "modalities": {"vision": False, "audio": False}}
+                "build_info": f"dspx {__version__}", "modalities": {"vision": False, "audio": False},
+                "dspx": _decode_modules(gen.llm, service.slots is not None)}
 
     @app.get("/slots")
     async def slots(request: Request):

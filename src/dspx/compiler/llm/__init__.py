@@ -8,8 +8,8 @@
   position: ``bases`` places it in a slot of the KV, 0 with one slot)
 - ``decode.so`` (and ``decode_parallel.so``): the same with ``(1,1)``
   ids/positions/bases and ``(1,1,49152)`` logits
-- ``decode_batch.so``: ``(1,4)`` rows, one decode token of up to 4 slots,
-  and every real row's logits
+- ``decode_batch.so`` (and ``decode_batch_parallel.so``): ``(1,4)`` rows,
+  one decode token of up to 4 slots, and every real row's logits
 - ``weights.bin``: ONE weights file both modules take (MODEL_LOAD once; both
   signatures carry its digest)
 - ``metadata.json``: both modules' io tables and ``io_reserve``, the KV

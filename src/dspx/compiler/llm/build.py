@@ -11,8 +11,8 @@ from pathlib import Path
 from dspx import cache
 from dspx.abi import llmpack
 from dspx.abi.layout import align, desc_region, side_bytes
-from dspx.abi.llmpack import (BATCH_ROWS, CHUNK, CONTEXT, DECODE_BATCH_FILE, DECODE_FILE, DECODE_PARALLEL_FILE, FORMAT,
-                              METADATA_FILE, PREFILL_FILE, WEIGHTS_FILE)
+from dspx.abi.llmpack import (BATCH_ROWS, CHUNK, CONTEXT, DECODE_BATCH_FILE, DECODE_BATCH_PARALLEL_FILE, DECODE_FILE,
+                              DECODE_PARALLEL_FILE, FORMAT, METADATA_FILE, PREFILL_FILE, WEIGHTS_FILE)
 from dspx.compiler.module import (IO_META_NAME, SIGNATURE_NAME, Signature, TensorSpec, export_module,
                                   make_io_meta, write_metadata, write_weights)
 
@@ -84,7 +84,8 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
                 context: int = CONTEXT, chunk: int = CHUNK, kv_dtype: str = "float32", target: str = LLM_TARGET,
                 kv_layout: str = "blocked", cost_model: str | None = None, decode_activations: str = "int8") -> dict:
     """Compile a Llama GGUF into ``outdir`` (prefill.so, decode.so,
-    decode_parallel.so, decode_batch.so, weights.bin, metadata.json); returns the metadata (plus ``"timings"``). ``target`` as
+    decode_parallel.so, decode_batch.so, decode_batch_parallel.so, weights.bin, metadata.json); returns the metadata
+    (plus ``"timings"``). ``target`` as
     ``dspx compile --target`` (default: this machine); ``kv_layout`` one of
     KV_LAYOUTS (the arrangement inside the KV tensors; both modules share it);
     ``decode_activations`` one of DECODE_ACTIVATIONS (what decode's Q4_1 layers multiply by);
@@ -119,10 +120,13 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     builds = [("prefill", chunk, PREFILL_FILE, True), ("decode", 1, DECODE_FILE, parallel_decode_gemv)]
     if not parallel_decode_gemv:
         builds.append(("decode_parallel", 1, DECODE_PARALLEL_FILE, True))
-    builds.append(("decode_batch", BATCH_ROWS, DECODE_BATCH_FILE, False))  # serve-llm --parallel's decode step
+    # serve-llm --parallel's decode step, on one thread and on all (timed when the slots are set); both sum
+    # every output in the serial decode's order (the batch's attention never splits a head's positions)
+    builds += [("decode_batch", BATCH_ROWS, DECODE_BATCH_FILE, False),
+               ("decode_batch_parallel", BATCH_ROWS, DECODE_BATCH_PARALLEL_FILE, True)]
     for name, M, fname, parallel in builds:
         with prog.stage(f"build_{name}", f"build {name} (M={M}) for {target_dict['mcpu']}"):
-            mod = entry(d, M, weights, parallel, batch=name == "decode_batch", tile=tuple(tile["tile"]),
+            mod = entry(d, M, weights, parallel, batch=name.startswith("decode_batch"), tile=tuple(tile["tile"]),
                         lanes=lanes)
             record: dict = {}
             with target:

@@ -85,6 +85,7 @@ def _status(progress: bool, text: str):
 
 
 _DECODE_MODULES = {"serial": "decode", "parallel": "decode_parallel"}  # decode kind -> the package's module
+_BATCH_MODULES = {"serial": "decode_batch", "parallel": "decode_batch_parallel"}  # the same for a batched step
 
 
 class DeviceLLM:
@@ -119,6 +120,9 @@ class DeviceLLM:
         self.load_warnings: list[str] = []
         self.handles: dict[str, int] = {}
         self._decode_name = "decode"
+        self._batch_name = "decode_batch"
+        self._threads = decode_threads  # "serial" | "parallel" | "auto" | None: _threads_wanted
+        self.batch_choice: dict | None = None  # serial or parallel batched step: chosen by the first set_slots(n > 1)
         try:
             self._load(progress)
         except BaseException:
@@ -128,7 +132,7 @@ class DeviceLLM:
         self.kv_on_host = False
         self.traffic = Traffic()
         self.last_traffic = Traffic()
-        self.decode_choice = self._choose_decode(decode_threads)
+        self.decode_choice = self._choose_decode()
         self.timings = {"load": time.perf_counter() - t0}
 
     def _load(self, progress: bool) -> None:
@@ -138,7 +142,7 @@ class DeviceLLM:
         # not fit beside the 480 MiB staging + KV with the default carveout; the
         # load warns (declared vs allocated) and we declare the real figure
         # (KV-resident: only the logits reach output_buf) before any inference.
-        for name in [m for m in ("prefill", "decode", "decode_parallel", "decode_batch") if m in mods]:
+        for name in [m for m in ("prefill", *_DECODE_MODULES.values(), *_BATCH_MODULES.values()) if m in mods]:
             elf = (self.dir / mods[name]["module"]).read_bytes()
             with _status(progress, f"loading {name} module ({len(elf) / 1e6:.1f} MB) …"):
                 with warnings.catch_warnings(record=True) as rec:
@@ -165,52 +169,102 @@ class DeviceLLM:
         with _status(progress, f"loading weights ({len(data) / 2**20:.1f} MiB, MODEL_LOAD once for both modules) …"):
             self.model_id, self.num_constants = c.load_weights(data)
 
-    def _choose_decode(self, want: str | None) -> dict:
-        """Serial or parallel decode GEMVs: ``want`` ("serial" | "parallel" |
-        "auto", default ``$DSPX_LLM_DECODE`` else auto).  Auto times both
+    def _threads_wanted(self) -> str:
+        """"serial" | "parallel" | "auto": the ``decode_threads`` argument, else ``$DSPX_LLM_DECODE``, else auto."""
+        import os
+
+        want = self._threads or os.environ.get("DSPX_LLM_DECODE", "auto")
+        if want not in ("auto", "serial", "parallel"):
+            raise LLMError(f"decode threads {want!r}: use auto, serial or parallel")
+        return want
+
+    def _time_kinds(self, modules: dict, attr: str, step) -> dict:
+        """Median ms of ``step(round)`` on each kind's module (``modules``: kind ->
+        module; ``attr``: the attribute naming the module a step runs), three
+        alternating rounds after a warm-up; the traffic counters start again after."""
+        ms: dict = {kind: [] for kind in modules}
+        for rnd in range(4):
+            for kind, name in modules.items():
+                setattr(self, attr, name)
+                t = time.perf_counter()
+                step(rnd)
+                if rnd:
+                    ms[kind].append((time.perf_counter() - t) * 1e3)
+        self.traffic, self.last_traffic = Traffic(), Traffic()
+        return {kind: round(float(np.median(v)), 2) for kind, v in ms.items()}
+
+    def _choose_decode(self) -> dict:
+        """Serial or parallel decode GEMVs (``_threads_wanted``).  Auto times both
         modules on a few KV-resident steps here (the machine as it is now: both
         cores free, or one busy) and keeps the faster; positions 0..7 of the
         KV are scratch (every prefill rewrites them)."""
-        import os
-
-        want = want or os.environ.get("DSPX_LLM_DECODE", "auto")
-        if want not in ("auto", "serial", "parallel"):
-            raise LLMError(f"decode threads {want!r}: use auto, serial or parallel")
+        want = self._threads_wanted()
         if "decode_parallel" not in self.handles:
             return {"chosen": "serial", "why": "package has no decode_parallel module"}
         if want != "auto":
             self.use_decode(want)
             return {"chosen": want, "why": "asked"}
-        ms = {"decode": [], "decode_parallel": []}
-        for rnd in range(4):  # alternate, first round is warm-up
-            for name in ms:
-                self._decode_name = name
-                t = time.perf_counter()
-                self.decode(1, rnd)
-                if rnd:
-                    ms[name].append((time.perf_counter() - t) * 1e3)
-        med = {k: float(np.median(v)) for k, v in ms.items()}
-        self._decode_name = min(med, key=med.get)
-        self.traffic, self.last_traffic = Traffic(), Traffic()
-        chosen = self.decode_kind
-        log.debug("decode: serial %.1f ms, parallel %.1f ms per step -> %s", med["decode"], med["decode_parallel"],
-                  chosen)
-        return {"chosen": chosen, "serial_ms": round(med["decode"], 2), "parallel_ms": round(med["decode_parallel"], 2)}
+        med = self._time_kinds(_DECODE_MODULES, "_decode_name", lambda rnd: self.decode(1, rnd))
+        self._decode_name = _DECODE_MODULES[min(med, key=med.get)]
+        log.debug("decode: serial %.1f ms, parallel %.1f ms per step -> %s", med["serial"], med["parallel"],
+                  self.decode_kind)
+        return {"chosen": self.decode_kind, "serial_ms": med["serial"], "parallel_ms": med["parallel"]}
+
+    def _choose_batch(self) -> dict:
+        """Serial or parallel batched step, as ``_choose_decode``: auto times both
+        on a 4-row step at cache positions 0..3, and puts those KV bytes back
+        after (the slots' caches may hold conversations by now)."""
+        want = self._threads_wanted()
+        if "decode_batch_parallel" not in self.handles:
+            return {"chosen": "serial", "why": "package has no decode_batch_parallel module"}
+        if want != "auto":
+            self.use_batch(want)
+            return {"chosen": want, "why": "asked"}
+        n = int(self.meta.get("batch_rows", llmpack.BATCH_ROWS))
+        arr = np.zeros((3, 1, n), np.int64)  # ids 0, positions 0..n-1, bases 0
+        arr[1, 0] = np.arange(n)
+        self._to_device_kv()
+        views = [self.client.kv_view(off, self.kv_shape, self.kv_dtype) for off in self.kv_offsets]
+        saved = [v.copy() for v in views]
+        try:
+            med = self._time_kinds(_BATCH_MODULES, "_batch_name",
+                                   lambda rnd: self._infer(self._batch_name, [arr[0], arr[1], arr[2]], True))
+        finally:
+            for v, b in zip(views, saved):
+                v[...] = b
+        self._batch_name = _BATCH_MODULES[min(med, key=med.get)]
+        log.debug("batched step: serial %.1f ms, parallel %.1f ms -> %s", med["serial"], med["parallel"],
+                  self.batch_kind)
+        return {"chosen": self.batch_kind, "serial_ms": med["serial"], "parallel_ms": med["parallel"]}
+
+    def _module(self, modules: dict, kind: str, what: str) -> str:
+        """The package's module for ``kind`` ("serial" | "parallel") of ``modules``."""
+        name = modules.get(kind)
+        if name is None:
+            raise LLMError(f"{what} module {kind!r}: use serial or parallel")
+        if name not in self.handles:
+            raise LLMError(f"this package has no {name} module")
+        return name
 
     def use_decode(self, kind: str) -> None:
         """Run the following decode steps on the "serial" or "parallel" decode
         module (what the load-time choice sets; for A/B runs and tests)."""
-        name = _DECODE_MODULES.get(kind)
-        if name is None:
-            raise LLMError(f"decode module {kind!r}: use serial or parallel")
-        if name not in self.handles:
-            raise LLMError(f"this package has no {name} module")
-        self._decode_name = name
+        self._decode_name = self._module(_DECODE_MODULES, kind, "decode")
+
+    def use_batch(self, kind: str) -> None:
+        """Run the following batched steps on the "serial" or "parallel" batch
+        module (what the choice at the first ``set_slots(n > 1)`` sets)."""
+        self._batch_name = self._module(_BATCH_MODULES, kind, "batch")
 
     @property
     def decode_kind(self) -> str:
         """The decode module the steps run on: "serial" or "parallel"."""
         return next(k for k, v in _DECODE_MODULES.items() if v == self._decode_name)
+
+    @property
+    def batch_kind(self) -> str:
+        """The batch module the batched steps run on: "serial" or "parallel"."""
+        return next(k for k, v in _BATCH_MODULES.items() if v == self._batch_name)
 
     def set_slots(self, n: int) -> int:
         """Split the KV cache into ``n`` slots of ``slot_tokens`` positions each
@@ -228,6 +282,8 @@ class DeviceLLM:
                            f"compile it again for KV slots")
         if n > 1:  # the batch sums each row in the serial decode's order: a lone row must run it too
             self.use_decode("serial")
+            if self.batch_choice is None:
+                self.batch_choice = self._choose_batch()
         self.slots, self.slot_tokens = n, per
         return per
 
@@ -341,7 +397,7 @@ class DeviceLLM:
                         raise ValueError(f"decode position must be at least 0, got {pos}")
                     arr[:, 0, i] = token, pos, self._base(slot, pos + 1)
                 self._to_device_kv()
-                r, t = self._infer("decode_batch", [arr[0], arr[1], arr[2]], True)
+                r, t = self._infer(self._batch_name, [arr[0], arr[1], arr[2]], True)
                 out[s:s + len(part)] = self.client.output_view(r.descs[0])[0, :len(part)]
                 t.logits_bytes = len(part) * self.vocab * 4
                 self._account(t)
