@@ -99,10 +99,11 @@ def test_batched_decode_equals_each_slot_alone(llm, enc, alone, kind):
         rows = [(slots[i], int(np.argmax(logits[i][-1])), len(enc[i]) + len(logits[i]) - 1) for i in active]
         for i, row in zip(active, llm.decode_batch(rows)):
             logits[i].append(row)
-        if k == 5:  # prompt 2 catches up with a one-row step (the decode module)
-            for _ in range(2):
-                logits[2].append(llm.decode(int(np.argmax(logits[2][-1])), len(enc[2]) + len(logits[2]) - 1,
-                                            slot=slots[2]))
+        if k == 5:  # prompt 2 catches up: a step on the decode module, then a one-row batched step
+            logits[2].append(llm.decode(int(np.argmax(logits[2][-1])), len(enc[2]) + len(logits[2]) - 1,
+                                        slot=slots[2]))
+            row = (slots[2], int(np.argmax(logits[2][-1])), len(enc[2]) + len(logits[2]) - 1)
+            logits[2].append(llm.decode_batch([row])[0])  # the parallel batch module runs it (padding rows)
     for i in range(len(enc)):
         ids[i] = [int(np.argmax(x)) for x in logits[i]]
         assert ids[i] == alone[i][0], (PROMPTS[i], ids[i], alone[i][0])
