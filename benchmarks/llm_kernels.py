@@ -1,6 +1,6 @@
 """Per-kernel cost of the SmolLM2 device modules, in this process, one thread.
 
-    .venv/bin/python benchmarks/llm_kernels.py [--rows 37] [--repeat 20]
+    .venv/bin/python benchmarks/llm_kernels.py [--rows 37] [--repeat 20] [--gemv-only]
 
 Builds each TIR kernel of the prefill entry (one 64-row chunk, ``--rows`` real
 rows, positions 0…rows-1) and of the decode attention at the end of each KV
@@ -9,8 +9,9 @@ interleaved rounds: the A/B of dspx.compiler.llm.KV_LAYOUTS), runs it on random 
 process CPU time per call with TVM_NUM_THREADS=1 (CPU time, so the figures
 hold on a busy machine better than wall time; two free cores roughly halve
 the parallel kernels' wall time), GFLOP/s for the GEMMs, and the per-token
-totals (× layers).  Then decode's GEMVs (one row) on each kind of decode
-activations (int8, the default, and float32), in interleaved rounds, each
+totals (× layers).  Then decode's GEMVs (one row, and the 4-row batched step) on each kind of decode
+activations (int8, the default, and float32) and, where the CPU has VNNI, with the int8 block sums on
+vpdpbusd and in int16, in interleaved rounds, each
 call on one of 30 copies of its weights in turn (a layer's weights come from
 memory in decode, not from cache), with the weight bytes read per second.
 Prints a table, writes benchmarks/results/llm_kernels.json.
@@ -83,19 +84,29 @@ def time_kernel(func, name, target, args, repeat):
     return time_calls(build(func, name, target), args, repeat)
 
 
-def decode_gemvs(d, target, lanes: int, rng, repeat: int) -> dict:
-    """Each decode GEMV (M = 1) per kind of decode activations: CPU time per call with its weights
-    rotated over 30 copies, and the weight bytes it reads per second (medians of ROUNDS rounds)."""
+def decode_gemvs(d, target, lanes: int, vnni: int, rng, repeat: int) -> dict:
+    """Each decode GEMV (one row, and serve-llm's 4-row batched step) per way of computing it: float32
+    or int8 activations, the int8 block sums in int16 or on vpdpbusd (where the target has VNNI): CPU
+    time per call with its weights rotated over 30 copies, and the weight bytes read per second
+    (medians of ROUNDS interleaved rounds)."""
+    from dspx.abi.llmpack import BATCH_ROWS
     from dspx.compiler import llm as L
 
     copies = 30
+    ways = {"float32": ("float32", 1, 0), "int8": ("int8", 1, 0)}
+    if vnni:
+        ways["int8 vnni"] = ("int8", 1, vnni)
+    ways[f"{BATCH_ROWS} rows int8"] = ("int8", BATCH_ROWS, 0)
+    if vnni:
+        ways[f"{BATCH_ROWS} rows vnni"] = ("int8", BATCH_ROWS, vnni)
     fns = {}
-    for act in L.DECODE_ACTIVATIONS:
-        ks = L.kernels(L.Dims(**SMOLLM2, decode_activations=act), 1, False, lanes=lanes)
+    for way, (act, rows, vn) in ways.items():
+        ks = L.kernels(L.Dims(**SMOLLM2, decode_activations=act), rows, False, batch=rows > 1, lanes=lanes, vnni=vn)
         for name in ("gemv_qkv", "gemv_o", "gemv_gate_up", "gemv_down"):
-            args = [random_args(ks[name], rng, 1) for _ in range(copies)]
-            weight_bytes = sum(a.numpy().nbytes for a in args[0][1:4])  # q, d, m
-            fns[act, name] = (build(ks[name], name, target), args, weight_bytes)
+            args = [random_args(ks[name], rng, rows) for _ in range(copies)]
+            q = 1 if rows == 1 else 2  # the weights after x (and the positions)
+            weight_bytes = sum(a.numpy().nbytes for a in args[0][q:q + 3])  # q, d, m
+            fns[way, name] = (build(ks[name], name, target), args, weight_bytes)
     ts = {k: [] for k in fns}
     for _ in range(ROUNDS):
         for k, (fn, argsets, _) in fns.items():
@@ -106,22 +117,19 @@ def decode_gemvs(d, target, lanes: int, rng, repeat: int) -> dict:
                     fn(*args)
             ts[k].append((time.process_time() - t0) / (max(1, repeat // 4) * copies))
     out = {}
-    print(f"\ndecode GEMVs (one row, 1 thread, CPU time, weights rotated over {copies} copies, medians of "
-          f"{ROUNDS} interleaved rounds):")
-    print(f"{'kernel':14s} " + " ".join(f"{act + ' us':>11s} {'GB/s':>6s}" for act in L.DECODE_ACTIVATIONS)
-          + f" {'int8 speedup':>13s}")
+    print(f"\ndecode GEMVs (1 thread, CPU time, weights rotated over {copies} copies, medians of "
+          f"{ROUNDS} interleaved rounds; us per call and weight GB/s):")
+    print(f"{'kernel':14s} " + " ".join(f"{way:>18s}" for way in ways))
     for name in ("gemv_qkv", "gemv_o", "gemv_gate_up", "gemv_down"):
         row = {}
-        for act in L.DECODE_ACTIVATIONS:
-            t = float(np.median(ts[act, name]))
-            row[act] = {"us": round(t * 1e6, 1), "weight_gb_s": round(fns[act, name][2] / t / 1e9, 1)}
+        for way in ways:
+            t = float(np.median(ts[way, name]))
+            row[way] = {"us": round(t * 1e6, 1), "weight_gb_s": round(fns[way, name][2] / t / 1e9, 1)}
         out[name] = row
-        print(f"{name:14s} " + " ".join(f"{row[act]['us']:11.1f} {row[act]['weight_gb_s']:6.1f}"
-                                         for act in L.DECODE_ACTIVATIONS)
-              + f" {row['float32']['us'] / row['int8']['us']:12.2f}x")
-    per_token = {act: round(sum(out[n][act]["us"] for n in out) * d.n_layers / 1e3, 2) for act in L.DECODE_ACTIVATIONS}
-    out["per_token_ms_one_core"] = per_token
-    print(f"{'x layers':14s} " + " ".join(f"{per_token[act]:8.2f} ms {'':6s}" for act in L.DECODE_ACTIVATIONS))
+        print(f"{name:14s} " + " ".join(f"{row[w]['us']:10.1f} {row[w]['weight_gb_s']:5.1f}GB/s" for w in ways))
+    per_token = {way: round(sum(out[n][way]["us"] for n in out) * d.n_layers / 1e3, 2) for way in ways}
+    out["per_step_ms_one_core"] = per_token
+    print(f"{'x layers (ms)':14s} " + " ".join(f"{per_token[w]:18.2f}" for w in ways))
     return out
 
 
@@ -129,6 +137,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=37, help="real rows of the prefill chunk (the rest is padding)")
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--gemv-only", action="store_true", help="only the decode and batched-step GEMVs")
     a = ap.parse_args()
     import tvm
     from dspx.compiler import llm as L
@@ -136,7 +145,8 @@ def main() -> int:
     from dspx.compiler.target import cpu_features, make_target
 
     target = tvm.target.Target(make_target(L.LLM_TARGET))
-    lanes = L.vector_lanes(cpu_features(str(target.attrs["mcpu"])))
+    features = cpu_features(str(target.attrs["mcpu"]))
+    lanes = L.vector_lanes(features)
     rng = np.random.default_rng(0)
     d = L.Dims(**SMOLLM2)
     tile = prefill_tile_for(d, target, lanes, runs_here=True)  # what compile_llm picks on this machine
@@ -149,6 +159,10 @@ def main() -> int:
     results = {"rows": a.rows, "target": str(target.attrs["mcpu"]), "prefill_tile": tile,
                "load_avg_start": os.getloadavg()[0],
                "prefill_us": {}, "decode_attention_us": {}}
+    if a.gemv_only:
+        results["decode_gemv"] = decode_gemvs(d, target, lanes, L.vnni_lanes(features), rng, a.repeat)
+        print(f"wrote {write_json('llm_kernels.json', results)}")
+        return 0
     cost = {}
     for name in dict.fromkeys(per_layer + once):
         cost[name] = time_kernel(ks[name], name, target, random_args(ks[name], rng, a.rows), a.repeat)
@@ -198,7 +212,7 @@ def main() -> int:
             print(f"  {kd:8s} {lay:8s} context {ctx:5d}: {t:7.1f} us/layer at {ctx - 1} "
                   f"({t * d.n_layers / 1e3:.2f} ms/token), {us[lay, 37]:6.1f} at 37")
         print(f"  {'':8s} blocked / rows at {ctx - 1}: {us['blocked', ctx - 1] / us['rows', ctx - 1]:.2f}")
-    results["decode_gemv"] = decode_gemvs(d, target, lanes, rng, a.repeat)
+    results["decode_gemv"] = decode_gemvs(d, target, lanes, L.vnni_lanes(features), rng, a.repeat)
     results["load_avg_end"] = os.getloadavg()[0]
     print(f"load average {results['load_avg_start']:.2f} -> {results['load_avg_end']:.2f}")
     print(f"wrote {write_json('llm_kernels.json', results)}")

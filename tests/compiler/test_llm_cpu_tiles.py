@@ -15,7 +15,7 @@ pytest.importorskip("tvm")
 
 import tvm  # noqa: E402
 
-from dspx.compiler.llm import Dims, decode_slice, prefill_tile, vector_lanes  # noqa: E402
+from dspx.compiler.llm import Dims, decode_slice, prefill_tile, vector_lanes, vnni_lanes  # noqa: E402
 from dspx.compiler.llm.tir.gemv import _q4_1_decode, _q4_1_prefill, _q8_0_decode, gemv_q4_1  # noqa: E402
 from dspx.compiler.llm.tuning import CANDIDATES, prefill_tile_for  # noqa: E402
 from dspx.compiler.target import cpu_features  # noqa: E402
@@ -131,19 +131,19 @@ def test_every_decode_slice_gives_the_reference_and_the_same_bits(mcpu):
         assert np.array_equal(outs[name, dv], outs[name, 64]), f"{name} slice {dv} differs from 64"
 
 
-def _run(f, args, out_shape):
-    fn = tvm.compile(tvm.IRModule({"g": f.with_attr("global_symbol", "g")}), target="llvm")["g"]
+def _run(f, args, out_shape, mcpu: str | None = None):
+    target = {"kind": "llvm", "mcpu": mcpu} if mcpu else "llvm"
+    fn = tvm.compile(tvm.IRModule({"g": f.with_attr("global_symbol", "g")}), target=target)["g"]
     targs = [tvm.runtime.tensor(a) for a in args + [np.zeros(out_shape, np.float32)]]
     fn(*targs)
     return targs[-1].numpy()
 
 
-@pytest.mark.parametrize("int8", [True, False], ids=["int8", "float32"])
-def test_decode_and_batched_rows_give_the_reference_and_the_same_bits(int8):
-    """Decode's Q4_1 GEMV on each kind of input (``decode_activations``) against its hand reference, at
-    the edges of the integer path's int16 sums (every nibble 15 times ±127: 30,480 of 32,767), an
-    all-zero block, a block whose largest value is negative, one huge element, and rows batched 2 and
-    4 at a time: each row's bits are decode's own."""
+VNNI_CPUS = {"icelake-server": (16, "avx512_vnni"), "alderlake": (8, "avx_vnni")}  # zmm and ymm vpdpbusd
+
+
+def _edge_rows():
+    """Six rows of x and Q4_1 weights at the integer paths' edges (``test_decode_and_batched_rows…``)."""
     (x, _, q, d, m, res, _), _ = _problem(1)
     rows = 6
     x = x[:rows].copy()
@@ -153,6 +153,16 @@ def test_decode_and_batched_rows_give_the_reference_and_the_same_bits(int8):
     x[4, 5] = 1e6  # one huge element: the rest of its block quantizes to 0
     q = q.copy()
     q[:, :, :, :32] = 0xFF  # outputs 0-31 of each tile: nibbles all 15
+    return rows, x, q, d, m, res
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "float32"])
+def test_decode_and_batched_rows_give_the_reference_and_the_same_bits(int8):
+    """Decode's Q4_1 GEMV on each kind of input (``decode_activations``) against its hand reference, at
+    the edges of the integer path's int16 sums (every nibble 15 times ±127: 30,480 of 32,767), an
+    all-zero block, a block whose largest value is negative, one huge element, and rows batched 2 and
+    4 at a time: each row's bits are decode's own."""
+    rows, x, q, d, m, res = _edge_rows()
     if int8:
         want = _decode_reference(x, q, d, m, res)
     else:
@@ -166,6 +176,38 @@ def test_decode_and_batched_rows_give_the_reference_and_the_same_bits(int8):
         batched = _run(gemv_q4_1(rows, K, N, False, batch=True, int8=int8), [x, pos, q, d, m, res[:rows]],
                        (rows, N))
         assert np.array_equal(batched[:real], one[:real]), f"{real} batched rows differ from decode's"
+
+
+@pytest.mark.parametrize("mcpu", sorted(VNNI_CPUS))
+def test_the_vnni_block_sums_give_the_reference_and_the_int16_paths_bits(mcpu):
+    """The VNNI decode and batched rows (vpdpbusd block sums, on zmm or ymm) against the hand reference,
+    and bit for bit against the int16 decode on the same CPU, on the same edge rows; where this CPU lacks
+    the feature they are compiled and their module names it for the loader to refuse."""
+    rows, x, q, d, m, res = _edge_rows()
+    width, feature = VNNI_CPUS[mcpu]
+    features = cpu_features(mcpu)
+    assert vnni_lanes(features) == width and feature in features
+    decode = gemv_q4_1(1, K, N, False, vnni=width)
+    batch = gemv_q4_1(rows, K, N, False, batch=True, vnni=width)
+    reg = "%zmm" if width == 16 else "%ymm"
+    for f in (decode, batch):
+        asm = tvm.compile(tvm.IRModule({"g": f.with_attr("global_symbol", "g")}),
+                          target={"kind": "llvm", "mcpu": mcpu}).mod.inspect_source("asm")
+        assert any("vpdpbusd" in line and reg in line for line in asm.splitlines())
+    if missing_features(features):
+        assert feature in missing_features(features)
+        return
+    want = _decode_reference(x, q, d, m, res)
+    int16 = np.concatenate([_run(_q4_1_decode(K, N, False), [x[r:r + 1], q, d, m, res[r:r + 1]], (1, N), mcpu)
+                            for r in range(rows)])  # the same CPU: the same FMA contractions
+    vnni = np.concatenate([_run(decode, [x[r:r + 1], q, d, m, res[r:r + 1]], (1, N), mcpu) for r in range(rows)])
+    np.testing.assert_allclose(vnni, want, rtol=1e-5, atol=1e-4)
+    assert np.array_equal(vnni, int16)
+    for real in (1, 2, 3, 6):
+        pos = np.full((1, rows), -1, np.int64)
+        pos[0, :real] = np.arange(real)
+        batched = _run(batch, [x, pos, q, d, m, res[:rows]], (rows, N), mcpu)
+        assert np.array_equal(batched[:real], int16[:real]), f"{real} VNNI batched rows differ from decode's"
 
 
 def test_the_register_count_tiles_fit_the_register_files():

@@ -65,6 +65,17 @@ def test_the_default_package_decodes_on_int8_activations(llm):
     assert llm.meta["model"]["decode_activations"] == "int8"
 
 
+def test_the_block_sums_use_vnni_where_the_package_cpu_has_it(llm):
+    """A package built for a VNNI CPU sums its int8 blocks with vpdpbusd (zmm with AVX-512 VNNI, ymm with
+    AVX-VNNI), else in int16 (its modules' bits are the same either way: test_llm_cpu_tiles.py)."""
+    from dspx.compiler.target import cpu_features
+
+    features = cpu_features(llm.meta["compiler"]["target"]["mcpu"])
+    want = ("vpdpbusd-512" if {"avx512_vnni", "avx512bw"} <= set(features) else
+            "vpdpbusd-256" if "avx_vnni" in features else "int16")
+    assert llm.meta["compiler"]["int8_block_sum"] == want
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_int8_decode_errs_as_much_as_int8_arithmetic_does(llm, refs, tok, prompt):
     ref_f, ref_q = refs

@@ -48,5 +48,5 @@ from .graph import entry, zeros_of  # noqa: F401
 from .sizing import (DECODE_ACTIVATIONS, KB, KV_DTYPES, KV_LAYOUTS, TN, Dims, LLMCompileError,  # noqa: F401
                      check_decode_activations, check_kv_layout,
                      dims_of, kv_region_bytes, kv_row, largest_context)
-from .tir import PR, REG, decode_slice, kernels, prefill_tile, vector_lanes, vexp  # noqa: F401
+from .tir import PR, REG, decode_slice, vnni_lanes, kernels, prefill_tile, vector_lanes, vexp  # noqa: F401
 from .weights import _q4_1, _q8_0, dequantized_weights, pack_weights, rope_tables  # noqa: F401

@@ -17,7 +17,7 @@ from dspx.compiler.module import (IO_META_NAME, SIGNATURE_NAME, Signature, Tenso
                                   make_io_meta, write_metadata, write_weights)
 
 from .graph import entry
-from .tir import vector_lanes
+from .tir import vnni_lanes, vector_lanes
 from .tuning import prefill_tile_for
 from .sizing import Dims, LLMCompileError, check_decode_activations, check_kv_layout, dims_of
 from .weights import pack_weights
@@ -111,6 +111,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     with prog.stage("weights", f"write {WEIGHTS_FILE}"):
         digest = write_weights(outdir / WEIGHTS_FILE, weights)
     lanes = vector_lanes(features)
+    vnni = vnni_lanes(features)  # int8 decode and batch block sums on vpdpbusd (0: int16), the same bits either way
     with prog.stage("tile", "choose the prefill GEMM micro-tile"):
         tile = prefill_tile_for(d, target, lanes, runs_here=not missing_here(features))
     entries = {}
@@ -127,7 +128,7 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
     for name, M, fname, parallel in builds:
         with prog.stage(f"build_{name}", f"build {name} (M={M}) for {target_dict['mcpu']}"):
             mod = entry(d, M, weights, parallel, batch=name.startswith("decode_batch"), tile=tuple(tile["tile"]),
-                        lanes=lanes)
+                        lanes=lanes, vnni=vnni)
             record: dict = {}
             with target:
                 mod = _llm_pipeline(target, record)(mod)
@@ -167,7 +168,9 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
                "tensors": kv_tensors, "k_rope": "pairwise (GGUF row order), applied before caching"},
         "modules": entries,
         "compiler": {"digest": build_digest(), "tvm_version": tvm.__version__, "target": target_dict,
-                     "prefill_tile": tile},
+                     "prefill_tile": tile,
+                     # what the int8 decode and batch GEMVs sum a block with
+                     "int8_block_sum": f"vpdpbusd-{32 * vnni}" if vnni and d.decode_activations == "int8" else "int16"},
     }
     cost = _cost_estimate(d, cost_model)
     if cost is not None:

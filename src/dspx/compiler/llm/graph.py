@@ -12,17 +12,17 @@ from .tir import kernels
 
 
 def entry(d: Dims, M: int, weights: list[tuple[str, np.ndarray]], parallel_gemv: bool, batch: bool = False,
-          tile: tuple[int, int] | None = None, *, lanes: int):
+          tile: tuple[int, int] | None = None, *, lanes: int, vnni: int = 0):
     """IRModule whose ``main`` is one forward pass over M tokens (``batch``:
     M decode rows, each a GEMV of its own, every real row's logits), its
     prefill GEMMs on register micro-tiles of ``tile`` (rows, outputs), its
-    decode GEMVs sliced for vectors of ``lanes`` float32."""
+    decode GEMVs sliced for vectors of ``lanes`` float32 (``vnni``: their int8 block sums on vpdpbusd of that many lanes)."""
     from tvm import relax
 
     def ty(shape, dtype):
         return relax.TensorType(shape, dtype)
 
-    ks = kernels(d, M, parallel_gemv, batch, tile, lanes=lanes)
+    ks = kernels(d, M, parallel_gemv, batch, tile, lanes=lanes, vnni=vnni)
     bb = relax.BlockBuilder()
     gv = {name: bb.add_func(f, name) for name, f in ks.items()}
     ids = relax.Var("ids", ty((1, M), "int64"))

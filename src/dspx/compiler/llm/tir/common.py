@@ -24,6 +24,14 @@ def decode_slice(lanes: int) -> int:
 def vector_lanes(features) -> int:
     """float32 lanes of the widest vectors a target's CPU features give: 16 with AVX-512, else 8 (AVX2)."""
     return 16 if "avx512f" in features else 8
+
+
+def vnni_lanes(features) -> int:
+    """int32 lanes of the vpdpbusd a target's CPU features give the int8 GEMVs' block sums: 16 with
+    AVX-512 VNNI (zmm), 8 with AVX-VNNI (ymm, client CPUs without AVX-512), 0 without either."""
+    if "avx512_vnni" in features and "avx512bw" in features:
+        return 16
+    return 8 if "avx_vnni" in features else 0
 # Scope of the kernels' small scratch buffers (< 1 KiB). TVM serves every
 # "local" allocation with TVMBackendAllocWorkspace (heap), which LLVM cannot
 # keep in registers: the accumulators went to memory on every FMA (prefill

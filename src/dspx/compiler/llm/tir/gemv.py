@@ -20,14 +20,19 @@ from .common import REG, decode_slice, prefill_tile
 
 
 def gemv_q4_1(M: int, K: int, N: int, parallel: bool, batch: bool = False, tile: tuple[int, int] | None = None,
-              lanes: int = 16, int8: bool = True):
+              lanes: int = 16, int8: bool = True, vnni: int = 0):
     """x (M, K) · W (K -> N) + res -> y (M, N); prefill and batch take the positions too.
     ``tile``: the prefill GEMM's register micro-tile (``tuning``; default ``prefill_tile(lanes)``);
     ``lanes``: the target's float32 vector lanes, which size the decode slices (``decode_slice``);
-    ``int8``: decode and batch quantize x (the module docstring)."""
+    ``int8``: decode and batch quantize x (the module docstring); ``vnni``: with ``int8``, their block sums
+    on vpdpbusd of ``vnni`` int32 lanes (``vnni_lanes``; ``_vnni_dot``: the same integers, so the same bits)."""
+    vnni = vnni if int8 else 0
     if M == 1:
-        return _q4_1_decode(K, N, parallel, decode_slice(lanes), int8)
-    return _rows_gemv(M, K, N, parallel, True, int8) if batch else _q4_1_prefill(M, K, N, tile or prefill_tile(lanes))
+        return _q4_1_decode_vnni(K, N, parallel, vnni) if vnni else _q4_1_decode(K, N, parallel, decode_slice(lanes),
+                                                                                  int8)
+    if batch:
+        return _rows_gemv(M, K, N, parallel, True, int8, vnni)
+    return _q4_1_prefill(M, K, N, tile or prefill_tile(lanes))
 
 
 def gemv_q8_0(M: int, K: int, N: int, parallel: bool, batch: bool = False, lanes: int = 16):
@@ -103,14 +108,20 @@ def _q4_block(acc, d, xd, lo, hi, m, xs):
 
     if xd is None:
         return acc + T.Cast("float32", d) * (lo + hi) + T.Cast("float32", m) * xs
-    return (acc + T.Cast("float32", d) * xd * T.Cast("float32", T.Cast("int32", lo) + T.Cast("int32", hi))
-            + T.Cast("float32", m) * xs)
+    return _q4_block_sum(acc, d, xd, T.Cast("int32", lo) + T.Cast("int32", hi), m, xs)
+
+
+def _q4_block_sum(acc, d, xd, isum, m, xs):
+    """acc + one Q4_1 block's value from its whole integer dot product ``isum`` (int32) with the quantized input."""
+    from tvm.script import tirx as T
+
+    return acc + T.Cast("float32", d) * xd * T.Cast("float32", isum) + T.Cast("float32", m) * xs
 
 
 def _quantized_rows(NB: int, int8: bool = True):
     """Macro: rows 0 … M-1 of x per 32-element block b: xs[r, b] = Σx (the
     m·Σx term of Q4_1); with ``int8`` also xd[r, b] = max|x| / 127 and
-    xq[r, k] = rint(x · (1 / xd)) in int16, clamped to ±127 (a NaN in a
+    xq[r, k] = rint(x · (1 / xd)) in xq's type (int16, int8 for VNNI), clamped to ±127 (a NaN in a
     padding row too).  An all-zero block has xd 0 and xq 0."""
     from tvm.script import tirx as T
 
@@ -129,9 +140,78 @@ def _quantized_rows(NB: int, int8: bool = True):
                     xd[r, b] = am[0] / T.float32(127)
                     am[1] = T.Select(am[0] > T.float32(0), T.float32(1) / xd[r, b], T.float32(0))
                     for j in T.vectorized(32):
-                        xq[r, b * 32 + j] = T.Cast("int16", T.max(T.min(T.nearbyint(x[r, b * 32 + j] * am[1]),
+                        xq[r, b * 32 + j] = T.Cast(xq.dtype, T.max(T.min(T.nearbyint(x[r, b * 32 + j] * am[1]),
                                                                         T.float32(127)), T.float32(-127)))
     return quantize
+
+
+_NIBBLES = 0x0F0F0F0F
+
+
+def _vnni_weights(q, no, b, jg, qt, high: bool, w: int):
+    """Outputs qt·w … qt·w + w - 1 of tile ``no``, elements 4jg … 4jg + 3 (``high``: 16 + those) of block b,
+    as vpdpbusd's unsigned operand: dword n = output n's four nibbles.  q holds byte j of output n at
+    [no, b, j, n] (low nibble element j, high 16 + j): the four bytes 4jg … 4jg + 3 of w outputs are
+    transposed in registers (w = 16, LLVM: two 32-byte loads and one vpermt2b), then masked to one nibble."""
+    from tvm.script import tirx as T
+
+    rows = [q.vload([no, b, 4 * jg + i, qt * w], f"uint8x{w}") for i in range(4)]
+    order = [i * w + n for n in range(w) for i in range(4)]  # byte 4n + i <- byte n of row i
+    dw = T.reinterpret(T.Shuffle(rows, order), dtype=f"int32x{w}")
+    if high:
+        dw = T.shift_right(dw, T.broadcast(T.int32(4), w))
+    return T.reinterpret(T.bitwise_and(dw, T.broadcast(T.int32(_NIBBLES), w)), dtype=f"int8x{4 * w}")
+
+
+def _vnni_input(xq, r, k, w: int):
+    """xq[r, k … k + 3] (int8) in every dword: vpdpbusd's signed operand."""
+    from tvm.script import tirx as T
+
+    dword = T.reinterpret(xq.vload([r, k], "int8x4"), dtype="int32")
+    return T.reinterpret(T.broadcast(dword, w), dtype=f"int8x{4 * w}")
+
+
+def _vpdpbusd(acc, u8, s8, w: int):
+    """acc (int32 × w) + the four u8 · s8 products of each lane: zmm (w = 16, AVX-512 VNNI) or ymm
+    (w = 8: AVX512VL's form, or AVX-VNNI's, which LLVM selects from the same intrinsic)."""
+    from tvm.script import tirx as T
+
+    return T.call_llvm_pure_intrin(f"int32x{w}", f"llvm.x86.avx512.vpdpbusd.{32 * w}", acc, u8, s8)
+
+
+def _vnni_dot(NB: int, rows: int, M: int, w: int):
+    """Macro: acc (rows, w) = outputs qt·w … + w - 1 of tile ``no`` for rows min(base + i, M - 1) of the
+    int8-quantized x (xq int8, xd, xs: ``_quantized_rows``).  Each block's Σ nibble · xq is one int32
+    (vpdpbusd: four u8 · s8 products per lane, eight instructions per block, row and w outputs), the same integer
+    as ``_tile_dot``'s two int16 sums, and it scales into acc by the same expression (``_q4_block_sum``),
+    so every row's bits are the decode's."""
+    from tvm.script import tirx as T
+
+    def row(base, i):
+        return T.min(base + i, M - 1)
+
+    @T.macro
+    def dot(acc, s, xq, xd, base, q, dd, mm, xs, no, qt):
+        for i in T.unroll(rows):
+            for n in T.vectorized(w):
+                acc[i, n] = T.float32(0)
+        for b in range(NB):
+            for i in T.unroll(rows):
+                for n in T.vectorized(w):
+                    s[i, n] = 0
+            for jg in T.unroll(4):
+                for i in T.unroll(rows):
+                    s[i, T.ramp(0, 1, w)] = _vpdpbusd(
+                        _vpdpbusd(s.vload([i, 0], f"int32x{w}"), _vnni_weights(q, no, b, jg, qt, False, w),
+                                  _vnni_input(xq, row(base, i), b * 32 + 4 * jg, w), w),
+                        _vnni_weights(q, no, b, jg, qt, True, w), _vnni_input(xq, row(base, i), b * 32 + 16 + 4 * jg, w),
+                        w)
+            for i in T.unroll(rows):
+                for n in T.vectorized(w):
+                    acc[i, n] = _q4_block_sum(acc[i, n], dd[no, b, qt * w + n], xd[row(base, i), b], s[i, n],
+                                              mm[no, b, qt * w + n], xs[row(base, i), b])
+    return dot
+
 
 
 RB = 4   # batched decode: rows per group, sharing each weight's conversion to float32
@@ -210,12 +290,12 @@ def _rows_dot(NB: int, q4: bool, rows: int, int8: bool = False):
     return dot
 
 
-def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool, int8: bool = False):
+def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool, int8: bool = False, vnni: int = 0):
     """Batched decode GEMV: up to 2 real rows as one pair, more in groups of
     RB (the last group clamps to the last row and computes it again), rows
     after the last real one (position -1) skipped; Q4_1 adds the residual
     (padding rows keep it), the Q8_0 LM head writes logits (1, M, N) (padding
-    rows zero)."""
+    rows zero).  ``vnni`` (Q4_1 with ``int8``): the block sums on vpdpbusd of that many lanes (``_vnni_dot``)."""
     from tvm.script import tirx as T
 
     assert M >= 2
@@ -223,6 +303,9 @@ def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool, int8: bool = Fa
     loop = T.parallel if parallel else T.serial
     dot2, dot4, real_rows = _rows_dot(NB, q4, 2, int8), _rows_dot(NB, q4, RB, int8), _real_rows(M)
     quantize = _quantized_rows(NB, int8)
+    VQ, on_vnni = vnni or 16, bool(vnni)  # outputs per vpdpbusd; TVMScript's `if` takes a bool
+    xq_type = "int8" if vnni else "int16"
+    vdot2, vdot4 = _vnni_dot(NB, 2, M, VQ), _vnni_dot(NB, RB, M, VQ)
     st = "int16" if int8 else "float32"  # the partial sums and the converted weights
     QS = (N // TN, NB, 16, TN) if q4 else (N // TN, NB, 32, TN)
 
@@ -254,6 +337,24 @@ def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool, int8: bool = Fa
                     store(y, res, acc, i, T.min(ro * RB + i, M - 1), no)
                     store(y, res, acc2, i, T.min(ro * RB + 2 + i, M - 1), no)
 
+    @T.macro
+    def vnni_tile(nr, xq, xd, q, dd, mm, xs, res, y, no):
+        acc = T.alloc_buffer((RB, VQ), "float32", scope=REG)
+        s = T.alloc_buffer((RB, VQ), "int32", scope=REG)
+        for qt in range(TN // VQ):
+            if nr[0] <= 2:
+                vdot2(acc, s, xq, xd, 0, q, dd, mm, xs, no, qt)
+                for i in T.unroll(2):
+                    for n in T.vectorized(VQ):
+                        y[i, no * TN + qt * VQ + n] = res[i, no * TN + qt * VQ + n] + acc[i, n]
+            else:
+                for ro in range((nr[0] + RB - 1) // RB):
+                    vdot4(acc, s, xq, xd, ro * RB, q, dd, mm, xs, no, qt)
+                    for i in T.unroll(RB):
+                        for n in T.vectorized(VQ):
+                            y[T.min(ro * RB + i, M - 1), no * TN + qt * VQ + n] = (
+                                res[T.min(ro * RB + i, M - 1), no * TN + qt * VQ + n] + acc[i, n])
+
     if q4:
         @T.prim_func(private=True)
         def f(x: T.Buffer((M, K), "float32"), pos: T.Buffer((1, M), "int64"), q: T.Buffer(QS, "uint8"),
@@ -264,13 +365,16 @@ def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool, int8: bool = Fa
             real_rows(nr, pos, 0)
             xs = T.alloc_buffer((M, NB), "float32")
             xd = T.alloc_buffer((M, NB), "float32")
-            xq = T.alloc_buffer((M, K), "int16")
+            xq = T.alloc_buffer((M, K), xq_type)
             quantize(xs, xd, xq, x, M)
             for no in loop(N // TN):
                 for r in range(M):
                     for ni in T.vectorized(TN):
                         y[r, no * TN + ni] = res[r, no * TN + ni]
-                tile(nr, xq if int8 else x, xd, q, dd, mm, xs, res, y, no)
+                if on_vnni:
+                    vnni_tile(nr, xq, xd, q, dd, mm, xs, res, y, no)
+                else:
+                    tile(nr, xq if int8 else x, xd, q, dd, mm, xs, res, y, no)
         return f
 
     @T.prim_func(private=True)
@@ -313,6 +417,34 @@ def _q4_1_decode(K: int, N: int, parallel: bool, DV: int = TN, int8: bool = True
             dot(acc, s, xq if int8 else x, xd, 0, q, dd, mm, xs, no)
             for ni in T.vectorized(TN):
                 y[0, no * TN + ni] = res[0, no * TN + ni] + acc[ni]
+    return f
+
+
+def _q4_1_decode_vnni(K: int, N: int, parallel: bool, VQ: int):
+    """Decode's Q4_1 GEMV with its block sums on vpdpbusd of VQ lanes (``_vnni_dot``, one row): the bits of
+    ``_q4_1_decode``."""
+    from tvm.script import tirx as T
+
+    NB = K // 32
+    loop = T.parallel if parallel else T.serial
+    dot, quantize = _vnni_dot(NB, 1, 1, VQ), _quantized_rows(NB)
+
+    @T.prim_func(private=True)
+    def f(x: T.Buffer((1, K), "float32"), q: T.Buffer((N // TN, NB, 16, TN), "uint8"),
+          dd: T.Buffer((N // TN, NB, TN), "float16"), mm: T.Buffer((N // TN, NB, TN), "float16"),
+          res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
+        T.func_attr({"tir.noalias": True})
+        xs = T.alloc_buffer((1, NB), "float32")
+        xd = T.alloc_buffer((1, NB), "float32")
+        xq = T.alloc_buffer((1, K), "int8")
+        quantize(xs, xd, xq, x, 1)
+        for no in loop(N // TN):
+            acc = T.alloc_buffer((1, VQ), "float32", scope=REG)
+            s = T.alloc_buffer((1, VQ), "int32", scope=REG)
+            for qt in range(TN // VQ):
+                dot(acc, s, xq, xd, 0, q, dd, mm, xs, no, qt)
+                for n in T.vectorized(VQ):
+                    y[0, no * TN + qt * VQ + n] = res[0, no * TN + qt * VQ + n] + acc[0, n]
     return f
 
 
