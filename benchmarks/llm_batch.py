@@ -106,12 +106,13 @@ def main() -> int:
     med = {c: statistics.median(v) for c, v in ms.items()}
     print(f"\none device call, ms (median of {a.calls} calls, median of {a.rounds} rounds); "
           f"CPU {cpuinfo.model_name()}, load {load[0]:.2f} -> {load[1]:.2f}")
-    print(f"{'package':32s} {'rows':>4s} {'batch serial':>13s} {'batch parallel':>15s} {'decode s / p':>14s}")
+    labels = {t: f"{t} ({info[t]['mcpu']}, {info[t]['int8_block_sum']})" for t in targets}
+    wide = max(len(x) for x in labels.values())
+    print(f"{'package':{wide}s} {'rows':>4s} {'batch serial':>13s} {'batch parallel':>15s} {'decode s / p':>14s}")
     for t in targets:
-        label = f"{t} ({info[t]['mcpu']}, {info[t]['int8_block_sum']})"
         for n in (1, 2, 3, 4):
             dec = (f"{med[t, 'decode', 'serial', 1]:.1f} / {med[t, 'decode', 'parallel', 1]:.1f}" if n == 1 else "")
-            print(f"{label if n == 1 else '':32s} {n:4d} {med[t, 'batch', 'serial', n]:13.1f} "
+            print(f"{labels[t] if n == 1 else '':{wide}s} {n:4d} {med[t, 'batch', 'serial', n]:13.1f} "
                   f"{med[t, 'batch', 'parallel', n]:15.1f} {dec:>14s}")
     if len(targets) > 1:
         a0, b0 = targets

@@ -12,6 +12,8 @@ d · xd · Σ(nibble · xq) + m · Σx (Σx exact, in float32).  On a CPU withou
 integer dot instructions this is still twice the float32 path's speed: a
 multiply-add of 16 int16 lanes where the float path converted each weight
 to float32 first (decode was bound by that conversion, not by memory).
+Where the CPU has VNNI, each block's dot product is one int32 from vpdpbusd
+instead (``_vnni_dot``): the same integer, so the same bits.
 Prefill and the Q8_0 LM head stay float32."""
 from __future__ import annotations
 
@@ -213,7 +215,6 @@ def _vnni_dot(NB: int, rows: int, M: int, w: int):
     return dot
 
 
-
 RB = 4   # batched decode: rows per group, sharing each weight's conversion to float32
 TH = 32  # batched decode: outputs per half tile (RB rows x 2 partial sums x TH in registers)
 
@@ -295,7 +296,8 @@ def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool, int8: bool = Fa
     RB (the last group clamps to the last row and computes it again), rows
     after the last real one (position -1) skipped; Q4_1 adds the residual
     (padding rows keep it), the Q8_0 LM head writes logits (1, M, N) (padding
-    rows zero).  ``vnni`` (Q4_1 with ``int8``): the block sums on vpdpbusd of that many lanes (``_vnni_dot``)."""
+    rows zero).  ``vnni`` (Q4_1 with ``int8``): the block sums on vpdpbusd of that many lanes (``_vnni_dot``), and a
+    lone real row computed alone."""
     from tvm.script import tirx as T
 
     assert M >= 2
@@ -305,7 +307,7 @@ def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool, int8: bool = Fa
     quantize = _quantized_rows(NB, int8)
     VQ, on_vnni = vnni or 16, bool(vnni)  # outputs per vpdpbusd; TVMScript's `if` takes a bool
     xq_type = "int8" if vnni else "int16"
-    vdot2, vdot4 = _vnni_dot(NB, 2, M, VQ), _vnni_dot(NB, RB, M, VQ)
+    vdot1, vdot2, vdot4 = (_vnni_dot(NB, rows, M, VQ) for rows in (1, 2, RB))
     st = "int16" if int8 else "float32"  # the partial sums and the converted weights
     QS = (N // TN, NB, 16, TN) if q4 else (N // TN, NB, 32, TN)
 
@@ -342,7 +344,11 @@ def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool, int8: bool = Fa
         acc = T.alloc_buffer((RB, VQ), "float32", scope=REG)
         s = T.alloc_buffer((RB, VQ), "int32", scope=REG)
         for qt in range(TN // VQ):
-            if nr[0] <= 2:
+            if nr[0] == 1:  # a lone row (one slot decoding): its own work only
+                vdot1(acc, s, xq, xd, 0, q, dd, mm, xs, no, qt)
+                for n in T.vectorized(VQ):
+                    y[0, no * TN + qt * VQ + n] = res[0, no * TN + qt * VQ + n] + acc[0, n]
+            elif nr[0] == 2:
                 vdot2(acc, s, xq, xd, 0, q, dd, mm, xs, no, qt)
                 for i in T.unroll(2):
                     for n in T.vectorized(VQ):
