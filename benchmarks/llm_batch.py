@@ -13,7 +13,10 @@ decode_parallel.so on one row, decode_batch.so and decode_batch_parallel.so on
 1 to 4 rows (positions 40 of four slots; one row with the serial batch module is
 decode.so, as decode_batch runs it), the median of --calls calls, then
 the median over --rounds rounds that visit every package and module in turn.
-Prints a table and writes benchmarks/results/llm_batch.json.
+Also prints, per package, 4 x the faster one-row decode / the faster 4-row step:
+what 4 slots can give over one in device calls alone (benchmarks/llm_server.py
+measures it through HTTP).  Prints a table and writes
+benchmarks/results/llm_batch.json.
 """
 from __future__ import annotations
 
@@ -114,13 +117,20 @@ def main() -> int:
             dec = (f"{med[t, 'decode', 'serial', 1]:.1f} / {med[t, 'decode', 'parallel', 1]:.1f}" if n == 1 else "")
             print(f"{labels[t] if n == 1 else '':{wide}s} {n:4d} {med[t, 'batch', 'serial', n]:13.1f} "
                   f"{med[t, 'batch', 'parallel', n]:15.1f} {dec:>14s}")
+    ceiling = {}
+    for t in targets:  # what 4 slots can give over one, in device calls alone: each as its load-time choice would run
+        one = min(med[t, "decode", k, 1] for k in ("serial", "parallel"))
+        four = min(med[t, "batch", k, 4] for k in ("serial", "parallel"))
+        ceiling[t] = round(4 * one / four, 2)
+        print(f"{labels[t]}: 4 rows per step on the faster batch module give {ceiling[t]:.2f}x the tokens of one "
+              f"row on the faster decode module")
     if len(targets) > 1:
         a0, b0 = targets
         print(f"\n{a0} / {b0}, 4 rows: serial "
               f"{med[a0, 'batch', 'serial', 4] / med[b0, 'batch', 'serial', 4]:.2f}, parallel "
               f"{med[a0, 'batch', 'parallel', 4] / med[b0, 'batch', 'parallel', 4]:.2f}")
     result = {"cpu": cpuinfo.model_name(), "flags": flags, "load_avg": load, "rounds": a.rounds, "calls": a.calls,
-              "packages": info,
+              "packages": info, "four_slots_over_one": ceiling,
               "ms": [{"target": t, "module": w, "kind": k, "rows": n, "median_ms": round(med[t, w, k, n], 3),
                       "rounds_ms": [round(x, 3) for x in ms[t, w, k, n]]} for (t, w, k, n) in cases]}
     print(f"wrote {write_json('llm_batch.json', result)}")

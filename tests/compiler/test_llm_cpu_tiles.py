@@ -16,7 +16,7 @@ pytest.importorskip("tvm")
 import tvm  # noqa: E402
 
 from dspx.compiler.llm import Dims, decode_slice, prefill_tile, vector_lanes, vnni_lanes  # noqa: E402
-from dspx.compiler.llm.tir.gemv import _q4_1_decode, _q4_1_prefill, _q8_0_decode, gemv_q4_1  # noqa: E402
+from dspx.compiler.llm.tir.gemv import _q4_1_decode, _q4_1_prefill, _q8_0_decode, gemv_q4_1, gemv_q8_0  # noqa: E402
 from dspx.compiler.llm.tuning import CANDIDATES, prefill_tile_for  # noqa: E402
 from dspx.compiler.target import cpu_features  # noqa: E402
 from dspx.device.core.cpu import missing_features  # noqa: E402
@@ -170,12 +170,16 @@ def test_decode_and_batched_rows_give_the_reference_and_the_same_bits(int8):
     one = np.concatenate([_run(_q4_1_decode(K, N, False, int8=int8), [x[r:r + 1], q, d, m, res[r:r + 1]], (1, N))
                           for r in range(rows)])
     np.testing.assert_allclose(one, want, rtol=1e-5, atol=1e-4)
-    for real in (2, 3, 6):  # one pair; a group of 4 clamped to the last real row; a full group and a pair
+    q8 = np.random.default_rng(8).integers(-128, 128, (N // 64, K // 32, 32, 64), dtype=np.int8)
+    head = np.concatenate([_run(_q8_0_decode(K, N, False), [x[r:r + 1], q8, d], (1, 1, N))[0] for r in range(rows)])
+    for real in (1, 2, 3, 6):  # a lone row; one pair; a group of 4 clamped to the last real row; a group and a pair
         pos = np.full((1, rows), -1, np.int64)
         pos[0, :real] = np.arange(real)
         batched = _run(gemv_q4_1(rows, K, N, False, batch=True, int8=int8), [x, pos, q, d, m, res[:rows]],
                        (rows, N))
         assert np.array_equal(batched[:real], one[:real]), f"{real} batched rows differ from decode's"
+        logits = _run(gemv_q8_0(rows, K, N, False, batch=True), [x, pos, q8, d], (1, rows, N))[0]  # the LM head
+        assert np.array_equal(logits[:real], head[:real]), f"{real} batched LM head rows differ from decode's"
 
 
 @pytest.mark.parametrize("mcpu", sorted(VNNI_CPUS))

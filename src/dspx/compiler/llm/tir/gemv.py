@@ -220,15 +220,22 @@ TH = 32  # batched decode: outputs per half tile (RB rows x 2 partial sums x TH 
 
 
 def _rows_dot(NB: int, q4: bool, rows: int, int8: bool = False):
-    """Macro: ``rows`` (2 or RB) rows r0..r3 of x times half ``hh`` of tile
+    """Macro: ``rows`` (1, 2 or RB) rows r0..r3 of x times half ``hh`` of tile
     ``no``, into acc (rows r0, r1) and acc2 (r2, r3), each (2, TN): each weight is converted once for
     the rows (to int16 with ``int8``, x quantized as in ``_tile_dot``; else to float32), and every row sums exactly
     as ``_tile_dot`` does (same partial sums, same order), so a batched row's logits are bit for bit the decode
     entry's."""
     from tvm.script import tirx as T
 
-    quad = rows == RB
+    single, quad = rows == 1, rows == RB
     wt = "int16" if int8 else "float32"
+
+    @T.macro
+    def one(s, wa, wb, x, ra, ka, kb):  # one row's partial sums s[0] (2, TH) += w * x, as ``pair``'s first row
+        for ni in T.vectorized(TH):
+            s[0, 0, ni] = s[0, 0, ni] + wa[ni] * x[ra, ka]
+        for ni in T.vectorized(TH):
+            s[0, 1, ni] = s[0, 1, ni] + wb[ni] * x[ra, kb]
 
     @T.macro
     def pair(s, wa, wb, x, ra, rb, ka, kb):  # two rows' partial sums s (2, 2, TH) += w * x
@@ -273,18 +280,25 @@ def _rows_dot(NB: int, q4: bool, rows: int, int8: bool = False):
                         for ni in T.vectorized(TH):
                             wa[ni] = T.Cast(wt, T.bitwise_and(q[no, b, j, hh * TH + ni], T.uint8(15)))
                             wb[ni] = T.Cast(wt, T.shift_right(q[no, b, j, hh * TH + ni], T.uint8(4)))
-                        pair(sa, wa, wb, x, r0, r1, b * 32 + j, b * 32 + 16 + j)
+                        if single:
+                            one(sa, wa, wb, x, r0, b * 32 + j, b * 32 + 16 + j)
+                        else:
+                            pair(sa, wa, wb, x, r0, r1, b * 32 + j, b * 32 + 16 + j)
                         if quad:
                             pair(sb, wa, wb, x, r2, r3, b * 32 + j, b * 32 + 16 + j)
                     else:  # even and odd elements
                         for ni in T.vectorized(TH):
                             wa[ni] = T.Cast("float32", q[no, b, 2 * j, hh * TH + ni])
                             wb[ni] = T.Cast("float32", q[no, b, 2 * j + 1, hh * TH + ni])
-                        pair(sa, wa, wb, x, r0, r1, b * 32 + 2 * j, b * 32 + 2 * j + 1)
+                        if single:
+                            one(sa, wa, wb, x, r0, b * 32 + 2 * j, b * 32 + 2 * j + 1)
+                        else:
+                            pair(sa, wa, wb, x, r0, r1, b * 32 + 2 * j, b * 32 + 2 * j + 1)
                         if quad:
                             pair(sb, wa, wb, x, r2, r3, b * 32 + 2 * j, b * 32 + 2 * j + 1)
                 scale(acc, 0, sa, 0, r0, dd, mm, xs, xd, no, b, hh)
-                scale(acc, 1, sa, 1, r1, dd, mm, xs, xd, no, b, hh)
+                if not single:
+                    scale(acc, 1, sa, 1, r1, dd, mm, xs, xd, no, b, hh)
                 if quad:
                     scale(acc2, 0, sb, 0, r2, dd, mm, xs, xd, no, b, hh)
                     scale(acc2, 1, sb, 1, r3, dd, mm, xs, xd, no, b, hh)
@@ -292,18 +306,18 @@ def _rows_dot(NB: int, q4: bool, rows: int, int8: bool = False):
 
 
 def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool, int8: bool = False, vnni: int = 0):
-    """Batched decode GEMV: up to 2 real rows as one pair, more in groups of
+    """Batched decode GEMV: a lone real row alone, 2 as one pair, more in groups of
     RB (the last group clamps to the last row and computes it again), rows
     after the last real one (position -1) skipped; Q4_1 adds the residual
     (padding rows keep it), the Q8_0 LM head writes logits (1, M, N) (padding
-    rows zero).  ``vnni`` (Q4_1 with ``int8``): the block sums on vpdpbusd of that many lanes (``_vnni_dot``), and a
-    lone real row computed alone."""
+    rows zero).  ``vnni`` (Q4_1 with ``int8``): the block sums on vpdpbusd of that many lanes (``_vnni_dot``)."""
     from tvm.script import tirx as T
 
     assert M >= 2
     NB = K // 32
     loop = T.parallel if parallel else T.serial
-    dot2, dot4, real_rows = _rows_dot(NB, q4, 2, int8), _rows_dot(NB, q4, RB, int8), _real_rows(M)
+    dot1, dot2, dot4 = (_rows_dot(NB, q4, rows, int8) for rows in (1, 2, RB))
+    real_rows = _real_rows(M)
     quantize = _quantized_rows(NB, int8)
     VQ, on_vnni = vnni or 16, bool(vnni)  # outputs per vpdpbusd; TVMScript's `if` takes a bool
     xq_type = "int8" if vnni else "int16"
@@ -327,7 +341,10 @@ def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool, int8: bool = Fa
         sb = T.alloc_buffer((2, 2, TH), st, scope=REG)
         wa = T.alloc_buffer((TH,), st, scope=REG)
         wb = T.alloc_buffer((TH,), st, scope=REG)
-        if nr[0] <= 2:
+        if nr[0] == 1:  # a lone row (one slot decoding): its own work only
+            dot1(acc, acc2, sa, sb, wa, wb, x, xd, 0, 0, 0, 0, q, dd, mm, xs, no)
+            store(y, res, acc, 0, 0, no)
+        elif nr[0] == 2:
             dot2(acc, acc2, sa, sb, wa, wb, x, xd, 0, 1, 0, 0, q, dd, mm, xs, no)
             for i in T.unroll(2):
                 store(y, res, acc, i, i, no)
@@ -344,7 +361,7 @@ def _rows_gemv(M: int, K: int, N: int, parallel: bool, q4: bool, int8: bool = Fa
         acc = T.alloc_buffer((RB, VQ), "float32", scope=REG)
         s = T.alloc_buffer((RB, VQ), "int32", scope=REG)
         for qt in range(TN // VQ):
-            if nr[0] == 1:  # a lone row (one slot decoding): its own work only
+            if nr[0] == 1:
                 vdot1(acc, s, xq, xd, 0, q, dd, mm, xs, no, qt)
                 for n in T.vectorized(VQ):
                     y[0, no * TN + qt * VQ + n] = res[0, no * TN + qt * VQ + n] + acc[0, n]
