@@ -380,7 +380,7 @@ class DeviceLLM:
         call (unused rows have position -1 and write no KV); one row as
         ``decode`` (the serial one, with slots) unless the batch module is the
         parallel one: it runs a lone row on both cores with the serial
-        decode's sums (7.5 against 11 ms here).  KV-resident."""
+        decode's sums, computing that row alone.  KV-resident."""
         if len(rows) == 1 and not (self.slots > 1 and self.batch_kind == "parallel"):
             slot, token, pos = rows[0]
             return self.decode(token, pos, slot=slot)[None]
