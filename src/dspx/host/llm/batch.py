@@ -52,21 +52,6 @@ class SlotLLM:
             raise LLMError("KV slots decode KV-resident only")
         return self.batcher.call("decode", self.slot, (token, pos))
 
-    def decode_ahead(self, token: int, pos: int) -> "_Pending":
-        """Hand in the next decode now and collect its logits later (``.result()``): the Generator
-        streams a token while the batched step that follows it runs."""
-        return _Pending(self.slot, self.batcher.submit("decode", self.slot, (token, pos)))
-
-
-class _Pending:
-    """A decode handed in ahead (``SlotLLM.decode_ahead``)."""
-
-    def __init__(self, slot: int, fut: concurrent.futures.Future):
-        self.slot, self.fut = slot, fut
-
-    def result(self) -> np.ndarray:
-        return SlotBatcher.wait(self.slot, self.fut)
-
     def close(self) -> None:  # the batcher owns the device
         pass
 
@@ -104,10 +89,6 @@ class SlotBatcher:
 
     def call(self, kind: str, slot: int, args: tuple):
         """Run a prefill or a decode of ``slot`` on the device thread; returns its logits."""
-        return self.wait(slot, self.submit(kind, slot, args))
-
-    def submit(self, kind: str, slot: int, args: tuple) -> concurrent.futures.Future:
-        """Queue a prefill or a decode of ``slot`` for the device thread; its Future gets the logits."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._closed:
@@ -118,10 +99,6 @@ class SlotBatcher:
             else:
                 self._decodes[slot] = (args, fut)
             self._cond.notify_all()
-        return fut
-
-    @staticmethod
-    def wait(slot: int, fut: concurrent.futures.Future) -> np.ndarray:
         try:
             return fut.result(CALL_TIMEOUT)
         except concurrent.futures.TimeoutError:

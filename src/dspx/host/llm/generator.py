@@ -192,9 +192,6 @@ class Generator:
         pos = len(ids)
         t_dec = 0.0
         full, shown = "", 0  # all decoded text; how much of it was yielded
-        # a KV slot (SlotLLM) takes the next decode before the token is yielded: decode_ahead(token, pos)
-        early = getattr(llm, "decode_ahead", None) if resident else None
-        pending = None  # its Future
         try:
             while True:
                 model_logits = logits
@@ -217,11 +214,6 @@ class Generator:
                     res.finish_reason = "stop"
                     break
                 safe = len(full) - _held_back(full, stops)
-                if (early is not None and len(res.ids) < max_tokens and pos < ctx
-                        and (deadline is None or time.perf_counter() < deadline)):
-                    # a KV slot's next step starts before the caller handles this token, so that
-                    # work (streaming it out) overlaps the device call instead of delaying it
-                    pending = early(nxt, pos)
                 yield nxt, full[shown:safe]
                 shown = max(shown, safe)
                 if len(res.ids) >= max_tokens:
@@ -237,20 +229,12 @@ class Generator:
                     res.finish_reason = "interrupted"
                     break
                 t1 = time.perf_counter()
-                if pending is not None:
-                    logits, pending = pending.result(), None
-                else:
-                    logits = llm.decode(nxt, pos, resident=resident)
+                logits = llm.decode(nxt, pos, resident=resident)
                 t_dec += time.perf_counter() - t1
                 res.decode_tokens += 1
                 self.cached.append(nxt)
                 pos += 1
         finally:
-            if pending is not None:  # an answer that ended with a step under way: it ends before the slot is reused
-                try:
-                    pending.result()
-                except Exception:  # noqa: BLE001 - the answer is over; its error was not asked for
-                    pass
             if res.finish_reason != "stop":
                 full += sd.flush()
             res.text = full
