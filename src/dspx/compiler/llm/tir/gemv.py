@@ -30,8 +30,7 @@ def gemv_q4_1(M: int, K: int, N: int, parallel: bool, batch: bool = False, tile:
     on vpdpbusd of ``vnni`` int32 lanes (``vnni_lanes``; ``_vnni_dot``: the same integers, so the same bits)."""
     vnni = vnni if int8 else 0
     if M == 1:
-        return _q4_1_decode_vnni(K, N, parallel, vnni) if vnni else _q4_1_decode(K, N, parallel, decode_slice(lanes),
-                                                                                  int8)
+        return _q4_1_decode(K, N, parallel, decode_slice(lanes), int8, vnni)
     if batch:
         return _rows_gemv(M, K, N, parallel, True, int8, vnni)
     return _q4_1_prefill(M, K, N, tile or prefill_tile(lanes))
@@ -418,12 +417,18 @@ def _q8_0_rows(M: int, K: int, N: int, parallel: bool):
     return _rows_gemv(M, K, N, parallel, False)
 
 
-def _q4_1_decode(K: int, N: int, parallel: bool, DV: int = TN, int8: bool = True):
+def _q4_1_decode(K: int, N: int, parallel: bool, DV: int = TN, int8: bool = True, vnni: int = 0):
+    """Decode's Q4_1 GEMV: each tile in slices of DV outputs (``_tile_dot``), or with ``vnni`` (int8 x) its
+    block sums on vpdpbusd of that many lanes (``_vnni_dot``, one row): the same bits."""
     from tvm.script import tirx as T
 
     NB = K // 32
     loop = T.parallel if parallel else T.serial
     dot, quantize = _tile_dot(NB, True, DV, int8), _quantized_rows(NB, int8)
+    VQ, on_vnni = vnni or 16, bool(vnni)  # TVMScript's `if` takes a bool
+    vdot = _vnni_dot(NB, 1, 1, VQ)
+    xq_type = "int8" if vnni else "int16"
+    st = "int16" if int8 else "float32"
 
     @T.prim_func(private=True)
     def f(x: T.Buffer((1, K), "float32"), q: T.Buffer((N // TN, NB, 16, TN), "uint8"),
@@ -432,42 +437,22 @@ def _q4_1_decode(K: int, N: int, parallel: bool, DV: int = TN, int8: bool = True
         T.func_attr({"tir.noalias": True})
         xs = T.alloc_buffer((1, NB), "float32")
         xd = T.alloc_buffer((1, NB), "float32")
-        xq = T.alloc_buffer((1, K), "int16")
+        xq = T.alloc_buffer((1, K), xq_type)
         quantize(xs, xd, xq, x, 1)
         for no in loop(N // TN):
-            acc = T.alloc_buffer((TN,), "float32", scope=REG)
-            s = T.alloc_buffer((2, DV), "int16" if int8 else "float32", scope=REG)
-            dot(acc, s, xq if int8 else x, xd, 0, q, dd, mm, xs, no)
-            for ni in T.vectorized(TN):
-                y[0, no * TN + ni] = res[0, no * TN + ni] + acc[ni]
-    return f
-
-
-def _q4_1_decode_vnni(K: int, N: int, parallel: bool, VQ: int):
-    """Decode's Q4_1 GEMV with its block sums on vpdpbusd of VQ lanes (``_vnni_dot``, one row): the bits of
-    ``_q4_1_decode``."""
-    from tvm.script import tirx as T
-
-    NB = K // 32
-    loop = T.parallel if parallel else T.serial
-    dot, quantize = _vnni_dot(NB, 1, 1, VQ), _quantized_rows(NB)
-
-    @T.prim_func(private=True)
-    def f(x: T.Buffer((1, K), "float32"), q: T.Buffer((N // TN, NB, 16, TN), "uint8"),
-          dd: T.Buffer((N // TN, NB, TN), "float16"), mm: T.Buffer((N // TN, NB, TN), "float16"),
-          res: T.Buffer((1, N), "float32"), y: T.Buffer((1, N), "float32")):
-        T.func_attr({"tir.noalias": True})
-        xs = T.alloc_buffer((1, NB), "float32")
-        xd = T.alloc_buffer((1, NB), "float32")
-        xq = T.alloc_buffer((1, K), "int8")
-        quantize(xs, xd, xq, x, 1)
-        for no in loop(N // TN):
-            acc = T.alloc_buffer((1, VQ), "float32", scope=REG)
-            s = T.alloc_buffer((1, VQ), "int32", scope=REG)
-            for qt in range(TN // VQ):
-                dot(acc, s, xq, xd, 0, q, dd, mm, xs, no, qt)
-                for n in T.vectorized(VQ):
-                    y[0, no * TN + qt * VQ + n] = res[0, no * TN + qt * VQ + n] + acc[0, n]
+            if on_vnni:
+                va = T.alloc_buffer((1, VQ), "float32", scope=REG)
+                vs = T.alloc_buffer((1, VQ), "int32", scope=REG)
+                for qt in range(TN // VQ):
+                    vdot(va, vs, xq, xd, 0, q, dd, mm, xs, no, qt)
+                    for n in T.vectorized(VQ):
+                        y[0, no * TN + qt * VQ + n] = res[0, no * TN + qt * VQ + n] + va[0, n]
+            else:
+                acc = T.alloc_buffer((TN,), "float32", scope=REG)
+                s = T.alloc_buffer((2, DV), st, scope=REG)
+                dot(acc, s, xq if int8 else x, xd, 0, q, dd, mm, xs, no)
+                for ni in T.vectorized(TN):
+                    y[0, no * TN + ni] = res[0, no * TN + ni] + acc[ni]
     return f
 
 
