@@ -7,8 +7,8 @@ The default targets are this machine's CPU and, where it has AVX-512 VNNI,
 the same vector width without it (skylake-avx512), so the int8 GEMVs' block
 sums on vpdpbusd and in int16 are compared in one run (``int8_block_sum`` in
 each package's metadata says which it has).  Each package is compiled once per
-build digest into the dspx cache ("llm-targets"), then loaded on a device of
-its own.  A figure is the wall time of one device call: decode.so and
+build digest into the dspx cache (``compiled_dir``), then loaded on a device
+of its own.  A figure is the wall time of one device call: decode.so and
 decode_parallel.so on one row, decode_batch.so and decode_batch_parallel.so on
 1 to 4 rows (positions 40 of four slots; one row with the serial batch module is
 decode.so, as decode_batch runs it), the median of --calls calls, then
@@ -36,21 +36,10 @@ POS = 40  # each row's position in its slot
 
 
 def package(target: str):
-    """A compiled SmolLM2 for ``target`` (this machine's cache: once per build digest)."""
-    from dspx import cache
-    from dspx.compiler.llm import build_digest, compile_llm, compiled_dir
-    from dspx.compiler.llm.build import METADATA_FILE, _stale
+    """A compiled SmolLM2 for ``target`` (the dspx cache: once per build digest and target)."""
+    from dspx.compiler.llm import compiled_dir
 
-    if target == "native":
-        return compiled_dir(progress=True)
-    area = cache.area("llm-targets")
-    digest = build_digest()
-    cache.prune(area, lambda e: not _stale(e, digest))
-    out = area / f"{target}-{digest[:16]}"
-    if not (out / METADATA_FILE).exists():
-        print(f"compiling SmolLM2 for {target} (a few minutes, once per dspx build)", flush=True)
-        cache.publish(out, lambda tmp: compile_llm(None, tmp, progress=True, target=target), complete=METADATA_FILE)
-    return out
+    return compiled_dir(progress=True, target=target)
 
 
 def main() -> int:
@@ -60,8 +49,6 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=10)
     a = ap.parse_args()
-    import numpy as np
-
     from dspx import cpuinfo
     from dspx.compiler.llm import vnni_lanes
     from dspx.compiler.target import cpu_features, make_target
@@ -134,7 +121,7 @@ def main() -> int:
               "ms": [{"target": t, "module": w, "kind": k, "rows": n, "median_ms": round(med[t, w, k, n], 3),
                       "rounds_ms": [round(x, 3) for x in ms[t, w, k, n]]} for (t, w, k, n) in cases]}
     print(f"wrote {write_json('llm_batch.json', result)}")
-    return 0 if np.isfinite(list(med.values())).all() else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -195,11 +195,12 @@ def _cost_estimate(d: Dims, cost_model: str | None) -> dict | None:
 
 def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True, *, context: int = CONTEXT,
                  kv_dtype: str = "float32", kv_layout: str | None = None,
-                 decode_activations: str = "int8") -> Path:
+                 decode_activations: str = "int8", target: str = LLM_TARGET) -> Path:
     """A compiled copy of ``gguf_path`` under ``cache_dir``/llm (default: the
     dspx cache's "llm" area), compiled once per build digest, GGUF identity,
     context, KV dtype, KV layout (default ``$DSPX_LLM_KV_LAYOUT``, else
-    "blocked") and decode activations.  Builds there by an older compiler are deleted first."""
+    "blocked"), decode activations and ``target`` (``compile_llm``'s).  Builds there by an older
+    compiler are deleted first."""
     from dspx.llm import find_default_gguf
 
     kv_layout = kv_layout or os.environ.get("DSPX_LLM_KV_LAYOUT") or "blocked"
@@ -210,7 +211,7 @@ def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True, *, conte
         from dspx.llm import GGUFNotFoundError
         raise GGUFNotFoundError(f"GGUF file not found: {path}")
     options = {"context": context, "kv_dtype": kv_dtype, "kv_layout": kv_layout,
-               "decode_activations": decode_activations}
+               "decode_activations": decode_activations, "target": target}
     digest = build_digest()
     key = cache.digest((), digest, json.dumps(gguf_identity(path), sort_keys=True), json.dumps(options, sort_keys=True))
     area = Path(cache_dir) / "llm" if cache_dir else cache.area("llm")
@@ -220,7 +221,7 @@ def compiled_dir(gguf_path=None, cache_dir=None, progress: bool = True, *, conte
         cache.prune(area, lambda e: not _stale(e, digest))
         cache.publish(out, lambda tmp: compile_llm(path, tmp, progress=progress, context=context,
                                                    kv_dtype=kv_dtype, kv_layout=kv_layout,
-                                                   decode_activations=decode_activations),
+                                                   decode_activations=decode_activations, target=target),
                       complete=METADATA_FILE)
     return out
 
