@@ -84,6 +84,11 @@ def llm(model_dir, big_device):
 
 # ---------------------------------------------------------------- the seed's figures
 
+def test_a_float32_activation_package_names_no_integer_block_sum(meta):
+    assert meta["model"]["decode_activations"] == "float32"
+    assert meta["compiler"]["int8_block_sum"] is None  # its GEMVs multiply float32 inputs
+
+
 def test_seed_io_figures(meta, model_dir):
     pre, dec = meta["modules"]["prefill"], meta["modules"]["decode"]
     # ids, positions, bases (each row's KV slot: docs/llm-internals.md), then 60 KV tensors

@@ -170,7 +170,9 @@ def compile_llm(gguf_path=None, outdir="build/llm", *, progress: bool = True, pa
         "compiler": {"digest": build_digest(), "tvm_version": tvm.__version__, "target": target_dict,
                      "prefill_tile": tile,
                      # what the int8 decode and batch GEMVs sum a block with
-                     "int8_block_sum": f"vpdpbusd-{32 * vnni}" if vnni and d.decode_activations == "int8" else "int16"},
+                     # (None: float32 activations, no integer block sums)
+                     "int8_block_sum": (None if d.decode_activations != "int8" else
+                                        f"vpdpbusd-{32 * vnni}" if vnni else "int16")},
     }
     cost = _cost_estimate(d, cost_model)
     if cost is not None:
