@@ -43,6 +43,12 @@ class BoardStub:
     def __init__(self, name: str, service_s: float):
         self.name, self.service_s = name, service_s
 
+    def endpoint(self):  # what the lease broker asks of a device it grants
+        return {"device": self.name, "node": ray.get_runtime_context().get_node_id(), "host": "", "socket": ""}
+
+    def info(self):
+        return {"device": self.name}
+
     def run(self, digest, module_box, batch):
         time.sleep(self.service_s * len(batch))
         return [{"outputs": {}, "node": "stub", "device": self.name, "attempt": 1} for _ in batch]

@@ -90,7 +90,8 @@ def test_farm_status_shows_free_devices_per_key(farm):
     cli = CliRunner().invoke(main, ["farm", "status", "--farm", farm.address, "--json"])
     assert cli.exit_code == 0, cli.output
     st = json.loads(cli.stdout)
-    assert st["keys"]["sim"] == {"devices": 2, "free": 2, "busy": 0, "other": 0}
+    assert st["keys"]["sim"] == {"devices": 2, "free": 2, "busy": 0, "other": 0, "held": 0, "restarting": 0,
+                                 "pending": 0, "user_cap": 1, "waiting": []}
     assert sorted(d["device"] for d in st["devices"]) == ["sim-0", "sim-1"]
 
 

@@ -35,7 +35,9 @@ def test_farm_up_status_down(tmp_path):
             f"error: a farm is already running at {farm['address']} (`dspx farm down` stops it)")
         st = _dspx(env, "farm", "status", "--json")
         assert st.returncode == 0, st.stderr
-        assert json.loads(st.stdout)["keys"] == {"sim": {"devices": 1, "free": 1, "busy": 0, "other": 0}}
+        assert json.loads(st.stdout)["keys"] == {"sim": {"devices": 1, "free": 1, "busy": 0, "other": 0, "held": 0,
+                                                         "restarting": 0, "pending": 0, "user_cap": 1,
+                                                         "waiting": []}}
         down = _dspx(env, "farm", "down")
         assert down.returncode == 0 and f"farm at {farm['address']} stopped" in down.stdout, down.stderr
     finally:

@@ -3,6 +3,7 @@ options and the note about a private device."""
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 
 import click
@@ -52,3 +53,12 @@ def private_note(client) -> str | None:
         return None
     return ("this answer is from a private device started for this command and stopped after it (--private, "
             "$DSPX_PRIVATE, more cores, or a device setting such as $DSPX_COST_MODEL in the environment)")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a --host / --listen address is this machine's loopback (no
+    import of Ray: a farm command must set Ray's auth mode before that)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -19,6 +19,7 @@ import click
 
 from ..host import serve_llm as server
 from . import cost
+from .common import is_loopback
 
 DECODE_ACTIVATIONS_OPTION = click.option(
     "--decode-activations", default="int8", show_default=True, type=click.Choice(["int8", "float32"]),
@@ -354,7 +355,6 @@ def serve_llm(host, port, api_key, model_dir, gguf, context, kv_dtype, decode_ac
     """OpenAI-compatible HTTP API (/v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings) and
     llama-server's /health, /metrics, /tokenize, /detokenize, /props, /slots for the device LLM
     (``--parallel N``: N requests at once on KV slots)."""
-    import ipaddress
     import logging
 
     from ..errors import DspxError
@@ -365,11 +365,7 @@ def serve_llm(host, port, api_key, model_dir, gguf, context, kv_dtype, decode_ac
         except ImportError:
             raise DspxError(f"dspx serve-llm needs the 'serve' extra ({mod} is not installed): "
                             f"pip install 'dspx[serve,llm]'") from None
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and api_key is None:
+    if not is_loopback(host) and api_key is None:
         logging.getLogger("dspx").warning("serve-llm listens on %s without --api-key: anyone who can reach "
                                           "it can use the device", host)
     limits = server.Limits(max_body=max_body, header_timeout=header_timeout, idle_timeout=idle_timeout,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -64,14 +65,17 @@ def files_digest(files: dict[str, bytes]) -> str:
 class DeviceActor:
     """One device of the farm (created through ``spawn``)."""
 
-    def __init__(self, name: str, cores: int = 1, device_args=()):
+    def __init__(self, name: str, cores: int = 1, device_args=(), socket: str | None = None):
         from ..host.client import Client
         from ..host.launcher import PrivateDevice
+        from .nodes import Board
 
         self.name = name
-        self.device = PrivateDevice(cores=cores, extra_args=device_args)
+        # A board (a socket given to `farm join`) is connected to, not started: a restarted actor reconnects.
+        self.device = Board(socket) if socket else PrivateDevice(cores=cores, extra_args=device_args)
         self.client = Client(self.device.path, timeout=120)
         self.vms: dict[str, object] = {}
+        self.ops = None  # (digest, task session, library handle) of the op library loaded for run_ops
         self.busy = 0
         self.calls = 0
         self.fetched = 0  # modules this actor brought to its node
@@ -84,6 +88,14 @@ class DeviceActor:
         return {"device": self.name, "node": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(),
                 "pid": os.getpid(), "device_pid": self.device.proc.pid, "busy": self.busy > 0,
                 "calls": self.calls, "fetched": self.fetched, "restarted": self.restarted}
+
+    @ray.method(concurrency_group="control")
+    def endpoint(self) -> dict:
+        """Where a lease holder on this machine reaches the device itself."""
+        import socket
+
+        return {"device": self.name, "node": ray.get_runtime_context().get_node_id(), "host": socket.gethostname(),
+                "socket": self.client.socket_path}
 
     @ray.method(concurrency_group="run")
     def run(self, digest: str, module_box: list, batch: list[dict]) -> list[dict]:
@@ -100,6 +112,66 @@ class DeviceActor:
                 self.calls += 1
         where = {"node": ray.get_runtime_context().get_node_id(), "device": self.name, "attempt": attempt_number()}
         return [{"outputs": o, **where} for o in outs]
+
+    @ray.method(concurrency_group="run")
+    def run_ops(self, digest: str, lib_box: list, cases: list[dict]) -> list[dict]:
+        """Run an op library's cases (content ``digest``; ``lib_box[0]`` its
+        files, fetched only on a cache miss): each case ``{"cmd", "input"
+        (uint8), "output_bytes", "timeout_ms"}`` gives its output bytes,
+        return value and cycles, or the device's error for it."""
+        with self._lock:
+            self.busy += 1
+            try:
+                tasks = self._op_library(digest, lib_box)
+                outs = [self._op_case(tasks, c) for c in cases]
+            finally:
+                self.busy -= 1
+                self.calls += 1
+        where = {"node": ray.get_runtime_context().get_node_id(), "device": self.name, "attempt": attempt_number()}
+        return [{"outputs": o, **where} for o in outs]
+
+    def _op_library(self, digest: str, lib_box: list):
+        """A task session with the library loaded (one library at a time:
+        another batch's may hold the same command ids)."""
+        from ..host.tasks import Tasks
+
+        if self.ops is not None and self.ops[0] == digest:
+            return self.ops[1]
+        if self.ops is not None:
+            self.ops[1].unload_ops(self.ops[2])
+            self.ops = None
+        path = self._cached(digest, lib_box, _write_op_library)
+        manifest = json.loads((path / MANIFEST).read_text())
+        tasks = Tasks(client=self.client)
+        try:
+            handle, _ = tasks.load_ops(path / manifest["library"])
+        except DspxError as e:
+            self._exit_if_lost(e)
+            raise
+        self.ops = (digest, tasks, handle)
+        return tasks
+
+    def _op_case(self, tasks, case: dict) -> dict:
+        from ..errors import OpFailed
+
+        data = np.asarray(case["input"], np.uint8).reshape(-1)
+        inp, out = tasks.malloc(max(data.size, 1)), tasks.malloc(max(int(case["output_bytes"]), 1))
+        try:
+            inp.vir[:data.size] = data
+            out.vir[:] = 0
+            try:
+                t = tasks.run(int(case["cmd"]), inp, out, timeout_ms=int(case["timeout_ms"]))
+                rv, cycles, error = t.return_value, t.cycles, None
+            except OpFailed as e:  # it ran and returned non-zero: a result to compare, not a failure here
+                rv, cycles, error = e.return_value, e.task.cycles if e.task is not None else 0, None
+            except DspxError as e:
+                self._exit_if_lost(e)
+                rv, cycles, error = None, 0, f"{getattr(e, 'status_name', type(e).__name__)}: {e}"
+            return {"output": np.array(out.vir[:int(case["output_bytes"])]), "return_value": rv, "cycles": cycles,
+                    "error": error}
+        finally:
+            tasks.free(inp)
+            tasks.free(out)
 
     def _call(self, vm, inputs: dict) -> dict:
         try:
@@ -133,9 +205,9 @@ class DeviceActor:
         self.vms[digest] = vm
         return vm
 
-    def _cached(self, digest: str, module_box: list) -> Path:
-        """The module's directory in this node's cache, fetched into it by
-        the first actor on the node that needs it."""
+    def _cached(self, digest: str, module_box: list, write=None) -> Path:
+        """The module's (or op library's) directory in this node's cache,
+        fetched into it by the first actor on the node that needs it."""
         area = cache.area(CACHE_AREA)
         path = area / digest
         area.mkdir(parents=True, exist_ok=True)
@@ -145,7 +217,7 @@ class DeviceActor:
                 files = ray.get(module_box[0])
                 if files_digest(files) != digest:
                     raise DspxError(f"module {digest}: the files received do not match their digest")
-                cache.publish(path, lambda tmp: _write_module(tmp, files), complete=MANIFEST)
+                cache.publish(path, lambda tmp: (write or _write_module)(tmp, files), complete=MANIFEST)
                 self.fetched += 1
         return path
 
@@ -159,16 +231,31 @@ def _write_module(tmp: Path, files: dict[str, bytes]) -> None:
     (tmp / MANIFEST).write_text(json.dumps({"module": so, "files": sorted(files)}))
 
 
-def spawn(key: str, index: int, cores: int = 1, threads: int = 1, device_args=()):
+def _write_op_library(tmp: Path, files: dict[str, bytes]) -> None:
+    if len(files) != 1:
+        raise DspxError(f"an op library is one file (got {len(files)})")
+    (name, data), = files.items()
+    (tmp / name).write_bytes(data)
+    (tmp / MANIFEST).write_text(json.dumps({"library": name, "files": [name]}))
+
+
+def spawn(key: str, index: int, cores: int = 1, threads: int = 1, device_args=(), *, node: str | None = None,
+          socket: str | None = None):
     """Create device ``<key>-<index>``: a detached actor (it outlives the
-    driver that made it), named so any driver finds it."""
+    driver that made it), named so any driver finds it.  ``node``: the Ray
+    node it runs on (and is restarted on; a device of a lost node ends with
+    it); ``socket``: a board's socket on that node, connected to instead of
+    starting a simulated device."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     from .cluster import NAMESPACE
 
     name = f"{key}-{index}"
     args = ["--threads", str(threads), *map(str, device_args)]
+    pin = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)} if node else {}
     return DeviceActor.options(name=name, namespace=NAMESPACE, lifetime="detached", num_cpus=0,
                            resources={resource(key): 1}, max_restarts=-1, max_task_retries=MAX_TASK_RETRIES,
-                           ).remote(name, cores, args)
+                           **pin).remote(name, cores, args, socket)
 
 
 def wait_ready(handles, timeout: float) -> list[dict]:
@@ -190,7 +277,8 @@ def find_devices(key: str | None = None) -> dict[str, object]:
     """The farm's device actors (of ``key``, or all), by name in index order."""
     from .cluster import NAMESPACE
 
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE
+             and re.fullmatch(r".+-\d+", a["name"])]  # the farm's other actors (its broker) are not devices
     if key is not None:
         names = [n for n in names if n.rpartition("-")[0] == key]
     names.sort(key=lambda n: (n.rpartition("-")[0], int(n.rpartition("-")[2] or 0)))

@@ -1,5 +1,6 @@
-"""A farm's cluster: start a local one on loopback, find a running one,
-connect to it, stop it.
+"""A farm's cluster: start a local one (on loopback, or on an address other
+machines join it at: ``nodes.py``), find a running one, connect to it, stop
+it.
 
 A local farm is one Ray head node, started as ``ray start --head --block``
 in its own session (so it outlives ``dspx farm up``, and SIGTERM to that one
@@ -51,6 +52,8 @@ class Farm:
     dir: str = ""
     key: str = DEFAULT_KEY
     devices: int = 0
+    node: str = ""  # the Ray node id when this machine joined the farm (`dspx farm join`), else ""
+    auth: str = ""  # "token": the farm takes only processes holding its token (RAY_AUTH_MODE=token)
 
     def alive(self) -> bool:
         if not self.pid:
@@ -84,7 +87,7 @@ class Farm:
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)  # made by start(): Ray's session, logs, the devices' sockets
         saved = _read_state()
-        if saved is not None and saved.address == self.address:
+        if saved is not None and saved.address == self.address and saved.pid == self.pid:
             state_path().unlink(missing_ok=True)
 
 
@@ -120,6 +123,13 @@ def _signal_session(sid: int, sig: int, wait: float) -> bool:
         if time.monotonic() > deadline:
             return True
         time.sleep(0.2)
+
+
+def _free_port() -> int:
+    """A loopback TCP port free now (Ray binds it a moment later)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _answers(address: str, timeout: float = 2.0) -> bool:
@@ -174,18 +184,49 @@ def connect(farm: Farm | str) -> None:
         raise FarmError(f"the farm at {address} is on loopback, but Ray was imported before dspx.farm set its "
                         f"loopback switch: import dspx.farm before ray (or set "
                         f"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0)")
+    token = isinstance(farm, Farm) and farm.auth == "token"
+    if token and not token_mode():
+        raise FarmError(f"the farm at {address} takes only processes holding its token: run this with "
+                        f"RAY_AUTH_MODE=token set before Ray is imported, and the token in ~/.ray/auth_token or "
+                        f"$RAY_AUTH_TOKEN_PATH (docs/farm.md, \"A farm on several machines\")")
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
+    except ConnectionError as e:  # what Ray says of a farm that refused this process's token, among others
+        raise FarmError(f"cannot connect to the farm at {address} ({str(e).splitlines()[0]}): a farm started "
+                        f"with --listen takes only processes holding its token (RAY_AUTH_MODE=token)") from None
+    except RuntimeError as e:
+        if "No node info found" not in str(e):
+            raise
+        # Ray attaches a driver to a node on its own machine, and this machine has none of the farm's.
+        raise FarmError(f"this machine is not a node of the farm at {address}: run this on one of its machines "
+                        f"(`dspx farm join {address}` makes this one a node)") from None
     _connected = address
+
+
+def token_mode() -> bool:
+    """Whether this process runs Ray with token authentication (Ray reads
+    RAY_AUTH_MODE once, when first imported)."""
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    return get_authentication_mode() == AuthenticationMode.TOKEN
 
 
 def use(farm: Farm | str | None = None) -> None:
     """Connect to ``farm`` (a Farm or an address); with None, stay on the
-    farm this process is connected to, else find the running one."""
-    if farm is None and _connected is not None:
+    farm this process is connected to (a driver's, or the farm's own when
+    this is one of its workers: an actor such as a Serve replica), else find
+    the running one."""
+    if farm is None and (_connected is not None or _in_a_worker()):
         return
     connect(farm if isinstance(farm, Farm) else find(farm))
+
+
+def _in_a_worker() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
 
 
 def disconnect() -> None:
@@ -206,36 +247,49 @@ def _ray_start(cmd_args: list[str], log, env: dict) -> subprocess.Popen:
 
 
 def start(devices: int, key: str = DEFAULT_KEY, *, cores: int = 1, threads: int = 1, device_args=(),
-          env: dict | None = None, object_store_bytes: int = OBJECT_STORE_BYTES, timeout: float = START_TIMEOUT, progress=None) -> Farm:
-    """A local farm on loopback with ``devices`` simulated devices under
-    ``key``; returns once every device answers.  The caller is connected to
-    it.  ``cores``, ``threads``, ``device_args``: each device's (``dspx
-    serve`` options); ``env``: more environment for the head and so for the
-    devices (``DSPX_CACHE``: the node's cache); ``progress(text)``: told
-    each step."""
-    from . import actors
+          user_cap: int | None = None,
+          env: dict | None = None, object_store_bytes: int = OBJECT_STORE_BYTES, timeout: float = START_TIMEOUT,
+          progress=None, listen: str = "127.0.0.1") -> Farm:
+    """A local farm with ``devices`` simulated devices under ``key``;
+    returns once every device answers.  The caller is connected to it.
+    ``cores``, ``threads``, ``device_args``: each device's (``dspx serve``
+    options); ``env``: more environment for the head and so for the
+    devices (``DSPX_CACHE``: the node's cache); ``user_cap``: devices of a
+    key one user may hold while others wait (default: all but one);
+    ``progress(text)``: told each step; ``listen``: loopback, or an address
+    of this machine that other machines join the farm at (``nodes.py``):
+    the farm then takes only processes holding its token, this one too."""
+    from . import actors, broker, nodes
 
     if devices < 1:
         raise FarmError(f"a farm needs at least one device (got {devices})")
     say = progress or (lambda text: None)
+    head_env, head_args, auth = nodes.head_options(listen)
     # Short: Ray's socket paths live under it and a socket path is at most 107 bytes.
     work = tempfile.mkdtemp(prefix="dspx-farm-", dir="/tmp")
     log = open(os.path.join(work, "head.log"), "wb")
     args = ["--head", "--block", "--port=0", f"--num-cpus={os.cpu_count() or 1}", "--include-dashboard=false",
             "--disable-usage-stats", f"--object-store-memory={object_store_bytes}",
-            f"--resources={json.dumps({actors.resource(key): devices})}", f"--temp-dir={work}/ray"]
-    say(f"starting the Ray head node (on loopback, {os.cpu_count()} cpus)")
+            # Ray's fixed defaults (52365, 10001) would clash with another Ray on this machine (a second
+            # farm, a test farm beside a user's): its node would die at start.
+            f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+            f"--resources={json.dumps({actors.resource(key): devices})}", f"--temp-dir={work}/ray", *head_args]
+    where = f"on {listen}, token auth" if auth else "on loopback"
+    say(f"starting the Ray head node ({where}, {os.cpu_count()} cpus)")
     # The devices' directories (sockets, logs) go under the farm's, which stop() removes.
     os.mkdir(os.path.join(work, "tmp"))
-    proc = _ray_start(args, log, {**os.environ, "TMPDIR": os.path.join(work, "tmp"), **(env or {})})
+    proc = _ray_start(args, log, {**os.environ, **head_env, "TMPDIR": os.path.join(work, "tmp"), **(env or {})})
     log.close()
-    farm = Farm("", proc.pid, work, key, devices)
+    farm = Farm("", proc.pid, work, key, devices, auth=auth)
     try:
         farm.address = _wait_address(proc, Path(work), timeout)
         connect(farm)
         say(f"head at {farm.address}; starting {devices} device(s) under dspx:{key}")
         handles = [actors.spawn(key, i, cores, threads, device_args) for i in range(devices)]
         actors.wait_ready(handles, timeout)
+        import ray
+
+        ray.get(broker.get(user_cap).status.remote(), timeout=timeout)  # the lease broker, up before anyone asks it
     except BaseException:
         farm.stop()
         raise
