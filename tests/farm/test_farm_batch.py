@@ -125,3 +125,15 @@ def test_a_device_killed_mid_batch_costs_a_retry(farm, module, shared_device):
     after = _info()
     assert after["sim-0"]["restarted"] and after["sim-0"]["device_pid"] != victim
     assert after["sim-1"]["device_pid"] == before["sim-1"]["device_pid"]
+
+
+def test_a_module_is_put_into_the_object_store_once_while_unchanged(farm, tmp_path):
+    lib = tmp_path / "ops.py"
+    lib.write_bytes(b"x = 1\n")
+    digest, box = dspx.farm.batch.upload([lib])
+    assert dspx.farm.batch.upload([lib]) == (digest, box)  # the same ref: no second read, hash or put
+    assert ray.get(box[0]) == {"ops.py": b"x = 1\n"}
+    lib.write_bytes(b"x = 2\n")  # same size, new content and mtime
+    os.utime(lib, ns=(lib.stat().st_atime_ns, lib.stat().st_mtime_ns + 1_000_000))
+    digest2, box2 = dspx.farm.batch.upload([lib])
+    assert digest2 != digest and ray.get(box2[0]) == {"ops.py": b"x = 2\n"}

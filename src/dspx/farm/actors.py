@@ -46,15 +46,13 @@ def attempt_number() -> int:
     return int(worker.global_worker.core_worker.get_current_task_attempt_number()) + 1
 
 
-def module_files(module) -> dict[str, bytes]:
-    """The files of a compiled module that a device needs, by name: a
-    directory's regular files, or a ``.so`` with the metadata.json beside it."""
+def module_paths(module) -> list[Path]:
+    """The files of a compiled module that a device needs: a directory's
+    regular files, or a ``.so`` with the metadata.json beside it."""
     p = Path(module)
     if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
-    else:
-        files = [p] + ([p.parent / "metadata.json"] if (p.parent / "metadata.json").is_file() else [])
-    return {f.name: f.read_bytes() for f in files}
+        return sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
+    return [p] + ([p.parent / "metadata.json"] if (p.parent / "metadata.json").is_file() else [])
 
 
 def files_digest(files: dict[str, bytes]) -> str:

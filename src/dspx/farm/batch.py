@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import ray
@@ -33,12 +34,14 @@ from . import actors
 from .cluster import DEFAULT_KEY, Farm, FarmError, use
 
 log = logging.getLogger("dspx.farm")
+_uploads: OrderedDict = OrderedDict()  # (farm, the files' paths, sizes, mtimes) -> (digest, box): see upload()
 
 RESULT_TIMEOUT = 900.0  # seconds without any result before a batch gives up
 POLL = 2.0  # seconds between looks at the probes and the farm's nodes while no call returns
 PROBE_TIMEOUT = 120.0  # a device whose call was lost takes work again only if it answers within this (a core start)
 ADJUST_PERIOD = 1.0  # seconds between asks to the broker: devices to give back, devices come free
 QUEUE_TIMEOUT = 3600.0  # seconds a batch waits for its first device
+UPLOADS_KEPT = 4  # modules and op libraries whose bytes stay in the object store between batches
 MAX_MOVES = actors.MAX_TASK_RETRIES  # as Ray's retries of a call: a chunk moved this often stops at the next loss
 
 
@@ -135,18 +138,37 @@ def map(module, inputs: Mapping[str, np.ndarray] | Sequence[dict], *, key: str =
     items = split(module, inputs) if isinstance(inputs, Mapping) else list(inputs)
     if not items:
         raise InputError("no items to run", "")
-    return spread("run", actors.module_files(module), items, key=key, farm=farm, chunk=chunk, depth=depth,
+    return spread("run", actors.module_paths(module), items, key=key, farm=farm, chunk=chunk, depth=depth,
                   on_result=on_result, timeout=timeout, user=user, queue_timeout=queue_timeout)
 
 
-def spread(method: str, files: dict[str, bytes], items: list, *, key: str = DEFAULT_KEY,
+def upload(paths: Sequence[Path]) -> tuple[str, list]:
+    """The files' content digest, and a box holding the object ref of their
+    bytes: put into Ray's object store once per farm while they are
+    unchanged (a ResNet-50's weights are ~100 MB to read, hash and put)."""
+    from . import cluster
+
+    stats = tuple((str(p), st.st_size, st.st_mtime_ns) for p, st in ((p, Path(p).stat()) for p in paths))
+    mark = (cluster._connected, stats)
+    hit = _uploads.get(mark)
+    if hit is None:
+        files = {Path(p).name: Path(p).read_bytes() for p in paths}
+        # In a list, so a device fetches the bytes only when its node has not cached them.
+        hit = _uploads[mark] = (actors.files_digest(files), [ray.put(files)])
+        while len(_uploads) > UPLOADS_KEPT:
+            _uploads.popitem(last=False)
+    _uploads.move_to_end(mark)
+    return hit
+
+
+def spread(method: str, paths: Sequence[Path], items: list, *, key: str = DEFAULT_KEY,
            farm: Farm | str | None = None, chunk: int = 1, depth: int = 2,
            on_result: Callable[[Result], None] | None = None, timeout: float = RESULT_TIMEOUT,
            user: str | None = None, queue_timeout: float | None = QUEUE_TIMEOUT) -> list[Result]:
     """Items over the devices under ``key`` through their actors' ``method``
-    (``run``: a module's inputs; ``run_ops``: op cases) with ``files``
-    (what they run, cached on each node by content digest); the results in
-    item order.
+    (``run``: a module's inputs; ``run_ops``: op cases) with the files at
+    ``paths`` (what they run, cached on each node by content digest); the
+    results in item order.
 
     The devices are the batch's leases: one waited for (at most
     ``queue_timeout`` s), then every other one free, and more as they come
@@ -162,8 +184,7 @@ def spread(method: str, files: dict[str, bytes], items: list, *, key: str = DEFA
     if not devices:
         keys = sorted({n.rpartition("-")[0] for n in actors.find_devices()})
         raise FarmError(f"the farm has no device under dspx:{key} (its keys: {', '.join(keys) or 'none'})")
-    digest = actors.files_digest(files)
-    box = [ray.put(files)]  # in a list, so a device fetches it only when its node has not cached it
+    digest, box = upload(paths)
     held: dict[str, object] = {}  # device -> its lease
     giving_back: set[str] = set()
     adjusted = time.monotonic()

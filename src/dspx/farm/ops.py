@@ -134,8 +134,6 @@ def run_cases(library, cases: Cases, *, key: str = DEFAULT_KEY, farm: Farm | str
     """Run ``cases`` (``read_cases``) of the op library ``library`` (a path:
     a LIB.so from ``dspx build-ops``, or a .py op library) on the devices
     under ``key``; the results in case order."""
-    path = Path(library)
-    files = {path.name: path.read_bytes()}
     judged: list[CaseResult] = []
 
     def each(r: Result) -> None:
@@ -144,5 +142,6 @@ def run_cases(library, cases: Cases, *, key: str = DEFAULT_KEY, farm: Farm | str
         if on_result is not None:
             on_result(c)
 
-    spread("run_ops", files, cases.calls, key=key, farm=farm, chunk=chunk, depth=depth, on_result=each, user=user)
+    spread("run_ops", [Path(library)], cases.calls, key=key, farm=farm, chunk=chunk, depth=depth, on_result=each,
+           user=user)
     return sorted(judged, key=lambda c: c.index)
