@@ -80,6 +80,8 @@ def test_base_install_serves_and_pings(base_venv, tmp_path):
     (["compile", "MODEL", "-o", "OUT"], "tvm"),
     (["compile-llm", "-o", "OUT"], "llm"),
     (["generate", "hello"], "llm"),
+    (["farm", "status"], "farm"),
+    (["farm", "up", "--devices", "1"], "farm"),
 ])
 def test_base_install_names_the_missing_extra(cmd, extra, base_venv, tmp_path, example_onnx):
     args = [str(example_onnx["multi_input"]) if a == "MODEL" else str(tmp_path / "out") if a == "OUT" else a
