@@ -46,6 +46,15 @@ def _wait_for(cond, timeout=30.0, what="condition"):
         time.sleep(0.02)
 
 
+def _queued(want, user: str, priority: int, pending: int) -> threading.Thread:
+    """``want(user, priority)`` on a thread, once its request is the
+    ``pending``-th in the queue."""
+    t = threading.Thread(target=want, args=(user, priority))
+    t.start()
+    _wait_for(lambda: dspx.farm.status()["keys"]["sim"]["pending"] == pending, what=f"{user} queued")
+    return t
+
+
 def test_a_leased_device_works_like_a_local_one(farm, compiled, shared_device):
     module = compiled("multi_input")
     _, meta = find_module(module)
@@ -142,12 +151,8 @@ def test_a_higher_priority_is_served_first(farm):
         with dspx.farm.lease(user=user, priority=priority, queue_timeout=60):
             order.append(user)
 
-    low = threading.Thread(target=want, args=("low", 0))
-    low.start()
-    _wait_for(lambda: dspx.farm.status()["keys"]["sim"]["pending"] == 1, what="the low request queued")
-    high = threading.Thread(target=want, args=("high", 5))
-    high.start()
-    _wait_for(lambda: dspx.farm.status()["keys"]["sim"]["pending"] == 2, what="the high request queued")
+    low = _queued(want, "low", 0, pending=1)
+    high = _queued(want, "high", 5, pending=2)
     waiting = dspx.farm.status()["keys"]["sim"]["waiting"]
     assert [w["user"] for w in waiting] == ["high", "low"]
     a.release()
@@ -169,12 +174,8 @@ def test_the_user_cap_holds_while_another_user_waits(farm):
     def want(user, priority):
         got[user] = dspx.farm.acquire(user=user, priority=priority, queue_timeout=60)
 
-    bob = threading.Thread(target=want, args=("bob", 0))
-    bob.start()
-    _wait_for(lambda: dspx.farm.status()["keys"]["sim"]["pending"] == 1, what="bob queued")
-    alice = threading.Thread(target=want, args=("alice", 9))
-    alice.start()
-    _wait_for(lambda: dspx.farm.status()["keys"]["sim"]["pending"] == 2, what="alice queued")
+    bob = _queued(want, "bob", 0, pending=1)
+    alice = _queued(want, "alice", 9, pending=2)
     assert dspx.farm.status()["keys"]["sim"]["user_cap"] == 1
     a.release()
     bob.join(30)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import click
 
 from ..host import serve_llm as server
-from .common import is_loopback
-from .llm import DECODE_ACTIVATIONS_OPTION, _check_package_options, _context
+from .llm import DECODE_ACTIVATIONS_OPTION, _check_package_options, _context, check_serving
 
 
 @click.command("serve-llm")
@@ -47,23 +46,13 @@ def serve_llm(replicas, key, host, port, api_key, model_dir, gguf, context, kv_d
     each.  A conversation stays on one replica (its KV prefix is reused);
     when every replica is full a request gets 503 at once.  Ctrl-C stops it
     and gives the devices back."""
-    import logging
     import os
     import signal
     import threading
     from pathlib import Path
 
-    from ..errors import DspxError
-
-    for mod in ("fastapi", "sse_starlette", "prometheus_client"):
-        try:
-            __import__(mod)
-        except ImportError:
-            raise DspxError(f"dspx farm serve-llm needs the 'serve' extra ({mod} is not installed): "
-                            f"pip install 'dspx[serve,llm,farm]'") from None
-    if not is_loopback(host) and api_key is None:
-        logging.getLogger("dspx").warning("farm serve-llm listens on %s without --api-key: anyone who can reach "
-                                          "it can use the farm's devices", host)
+    check_serving("farm serve-llm", ("fastapi", "sse_starlette", "prometheus_client"), "dspx[serve,llm,farm]",
+                  host, api_key, "the farm's devices")
     _check_package_options(model_dir, context, kv_dtype, decode_activations)
     server.bind(host, port).close()  # a port in use (or a bad --host) is one error now, not a proxy that dies
 

@@ -319,6 +319,24 @@ def compile_llm(gguf, outdir, context, kv_dtype, kv_layout, decode_activations, 
     click.echo("\n".join(lines))
 
 
+def check_serving(command: str, modules, install: str, host: str, api_key, what: str) -> None:
+    """Before a server starts: the 'serve' extra's modules present (else one
+    line naming it), and a warning for one open beyond loopback without a key."""
+    import logging
+
+    from ..errors import DspxError
+
+    for mod in modules:
+        try:
+            __import__(mod)
+        except ImportError:
+            raise DspxError(f"dspx {command} needs the 'serve' extra ({mod} is not installed): "
+                            f"pip install '{install}'") from None
+    if not is_loopback(host) and api_key is None:
+        logging.getLogger("dspx").warning("%s listens on %s without --api-key: anyone who can reach it can use %s",
+                                          command, host, what)
+
+
 @click.command("serve-llm")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="address to bind (localhost only by default; use --api-key before opening it wider)")
@@ -355,19 +373,8 @@ def serve_llm(host, port, api_key, model_dir, gguf, context, kv_dtype, decode_ac
     """OpenAI-compatible HTTP API (/v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings) and
     llama-server's /health, /metrics, /tokenize, /detokenize, /props, /slots for the device LLM
     (``--parallel N``: N requests at once on KV slots)."""
-    import logging
-
-    from ..errors import DspxError
-
-    for mod in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client"):
-        try:
-            __import__(mod)
-        except ImportError:
-            raise DspxError(f"dspx serve-llm needs the 'serve' extra ({mod} is not installed): "
-                            f"pip install 'dspx[serve,llm]'") from None
-    if not is_loopback(host) and api_key is None:
-        logging.getLogger("dspx").warning("serve-llm listens on %s without --api-key: anyone who can reach "
-                                          "it can use the device", host)
+    check_serving("serve-llm", ("fastapi", "uvicorn", "sse_starlette", "prometheus_client"), "dspx[serve,llm]",
+                  host, api_key, "the device")
     limits = server.Limits(max_body=max_body, header_timeout=header_timeout, idle_timeout=idle_timeout,
                            max_connections=max_connections)
 

@@ -100,16 +100,7 @@ class DeviceActor:
         """Run the module (content ``digest``; ``module_box[0]`` the object
         ref of its files, fetched only on a cache miss) once per input dict
         of ``batch``; each result: outputs by name, node, device, attempt."""
-        with self._lock:
-            self.busy += 1
-            try:
-                vm = self._module(digest, module_box)
-                outs = [self._call(vm, inputs) for inputs in batch]
-            finally:
-                self.busy -= 1
-                self.calls += 1
-        where = {"node": ray.get_runtime_context().get_node_id(), "device": self.name, "attempt": attempt_number()}
-        return [{"outputs": o, **where} for o in outs]
+        return self._batch(lambda: self._module(digest, module_box), self._call, batch)
 
     @ray.method(concurrency_group="run")
     def run_ops(self, digest: str, lib_box: list, cases: list[dict]) -> list[dict]:
@@ -117,11 +108,16 @@ class DeviceActor:
         files, fetched only on a cache miss): each case ``{"cmd", "input"
         (uint8), "output_bytes", "timeout_ms"}`` gives its output bytes,
         return value and cycles, or the device's error for it."""
+        return self._batch(lambda: self._op_library(digest, lib_box), self._op_case, cases)
+
+    def _batch(self, prepare, each, batch: list) -> list[dict]:
+        """``each(prepare(), item)`` for every item, counted as one call;
+        each result with where it ran."""
         with self._lock:
             self.busy += 1
             try:
-                tasks = self._op_library(digest, lib_box)
-                outs = [self._op_case(tasks, c) for c in cases]
+                target = prepare()
+                outs = [each(target, item) for item in batch]
             finally:
                 self.busy -= 1
                 self.calls += 1
