@@ -32,7 +32,7 @@ import dspx.farm  # noqa: E402  (before ray: the loopback switch)
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 
-from benchmarks._results import write_json  # noqa: E402
+from benchmarks._results import example, write_json  # noqa: E402
 from dspx.farm.cluster import NAMESPACE  # noqa: E402
 
 SMALL = ["--carveout-size", "128M", "--ddr-pool-size", "128M"]
@@ -57,16 +57,7 @@ class BoardStub:
 
 
 def _example(name: str, kernels: bool = False):
-    """A compiled example module from the tests' cache (compiled there if missing)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from conftest import compiled_example  # (conftest sets the tests' $DSPX_CACHE)
-
-    from dspx import cache
-    from dspx.compiler import examples
-    from dspx.host.verifier import DeviceVerifier
-
-    with DeviceVerifier() as verifier:  # its device starts only if the module is not cached
-        return compiled_example(name, examples.build_all(str(cache.area("onnx")))[name], verifier, kernels=kernels)
+    return example(name, kernels)[0]
 
 
 def _items(module, n: int, seed: int = 0) -> list[dict]:

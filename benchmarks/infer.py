@@ -61,7 +61,7 @@ def _threads_env(n: int) -> dict:
 
 # ------------------------------------------------------------------ workers
 def worker(kind: str, target: str, threads: int) -> None:
-    """Line protocol on stdin/stdout: 'N' -> JSON list of N call times (s)."""
+    """Line protocol on stdin/stdout: 'N [PERIOD]' -> JSON list of N call times (s)."""
     import numpy as np
 
     if kind == "tvm":
@@ -102,9 +102,11 @@ def worker(kind: str, target: str, threads: int) -> None:
     out = first_output()  # warm-up + reference output for the main process
     print(json.dumps({"ready": True, "out": np.asarray(out, dtype=np.float64).ravel().tolist()}), flush=True)
     for line in sys.stdin:
-        n = int(line)
+        n, _, period = line.partition(" ")  # 'N [PERIOD]': N calls, PERIOD s of idle before each (untimed)
         ts = []
-        for _ in range(n):
+        for _ in range(int(n)):
+            if period.strip():
+                time.sleep(float(period))
             t0 = time.perf_counter()
             call()
             ts.append(time.perf_counter() - t0)
@@ -335,8 +337,8 @@ class Worker:
         first = json.loads(self.proc.stdout.readline())
         self.out = first["out"]
 
-    def run(self, n: int) -> list[float]:
-        self.proc.stdin.write(f"{n}\n")
+    def run(self, n: int, period: float = 0.0) -> list[float]:
+        self.proc.stdin.write(f"{n} {period}\n" if period else f"{n}\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
 
