@@ -22,6 +22,9 @@ each ratio is the median over rounds of the two medians of the same round
 (the machine's load drifts between rounds, much less within one).  The bare
 C ping-pong floors are ``benchmarks/ping.py``'s (back to back).  At the end,
 the device sits idle for ``--idle-s`` seconds: its processes' CPU share.
+``--legs``: then one zero-copy call of the 7-input module, leg by leg
+(``infer.py``'s stamps in the client, an instrumented front and core), after
+0, 10, 33 and 100 ms of idle.
 Prints a table, writes benchmarks/results/callpath-<timestamp>.json.
 """
 from __future__ import annotations
@@ -37,7 +40,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
 from benchmarks._results import example, write_json  # noqa: E402
-from benchmarks.infer import NOOP_LIB, NOOP_OP, Echo, Worker, interleave, paired, timed_calls  # noqa: E402
+from benchmarks.infer import (LEGS, NOOP_LIB, NOOP_OP, Echo, Worker, breakdown, interleave, paired,  # noqa: E402
+                              timed_calls)
 
 NOOP_C_OP = 0x3F02
 NOOP_C = f"""
@@ -84,6 +88,7 @@ def main() -> None:
     ap.add_argument("--paced-runs", type=int, default=40, help="frame-paced calls per candidate and pacing")
     ap.add_argument("--threads", type=int, default=2, help="the device's and onnxruntime's threads")
     ap.add_argument("--idle-s", type=float, default=5.0, help="seconds of idle for the device's CPU share")
+    ap.add_argument("--legs", action="store_true", help="and a call's legs after 0, 10, 33 and 100 ms of idle")
     a = ap.parse_args()
 
     import tempfile
@@ -183,6 +188,15 @@ def main() -> None:
         print(f"  {row['what']:<50} {row['paired']:>7.3f}   goal <= {row['goal']:g}: {mark}")
     share = result["idle_cpu_share"]
     print(f"  {'idle device CPU share':<50} {share * 100:>6.2f} %   goal < 1 %: {'met' if share < 0.01 else 'NOT met'}")
+    if a.legs:
+        idles = (0.0, 0.010, 0.033, 0.100)
+        print("legs of one zero-copy call of the 7-input module ...", file=sys.stderr)
+        legs = result["legs_us"] = {f"{int(i * 1e3)}ms": breakdown(tiny, a.threads, 60 if i else 300, settle=i)
+                                    for i in idles}
+        print("\nlegs of one zero-copy call, 7-input module, medians in µs, after an idle of")
+        print(f"{'':>32}" + "".join(f"{k:>10}" for k in legs))
+        for leg in LEGS:
+            print(f"{leg:>32}" + "".join(f"{legs[k][leg]['median_us']:>10.1f}" for k in legs))
     print("written", write_json(f"callpath-{time.strftime('%Y%m%d-%H%M%S')}.json", result))
 
 

@@ -133,9 +133,9 @@ def core_worker(argv) -> None:
         finally:
             stamps.append(time.perf_counter_ns())
 
-    def timed_call(self, rec):
+    def timed_call(self, rec, *more):
         stamps[:] = [time.perf_counter_ns()]
-        call(self, rec)
+        call(self, rec, *more)
         log.write(json.dumps(stamps[:3] + [time.perf_counter_ns()]) + "\n")
 
     worker.CoreWorker.call, loader.MappedModule.call = timed_call, timed_entry
