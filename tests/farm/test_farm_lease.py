@@ -279,3 +279,24 @@ def test_a_lease_whose_holder_died_is_freed(farm):
     assert time.monotonic() - t0 < 30
     _wait_for(lambda: dspx.farm.status()["keys"]["sim"]["free"] == 2, 120, "the device back")
     assert _device_pids()[device] != before[device]  # restarted: nothing the holder left runs on
+
+
+def test_a_batch_takes_a_device_that_comes_free_while_it_runs(farm, tmp_path):
+    from spin_ops import SPIN
+
+    lib = tmp_path / "spin.py"
+    lib.write_text(SOURCE)
+    ms = np.full((30, 1), 100, "<i4").view(np.uint8)  # 30 cases of 100 ms
+    cases = dspx.farm.ops.read_cases({"input": ms, "cmd": np.int64(SPIN), "output_bytes": np.int64(4)})
+    held = dspx.farm.acquire(user="early")
+    seen = []
+
+    def on_result(r):
+        seen.append(r.device)
+        if len(seen) == 3:
+            held.release()  # the batch has run on the other device only, so far
+
+    results = dspx.farm.ops.run_cases(lib, cases, user="mapper", chunk=1, on_result=on_result)
+    assert all(r.output.tobytes() == b"RUN!" for r in results)
+    assert set(seen[:3]) == {({"sim-0", "sim-1"} - {held.device}).pop()}
+    assert held.device in seen[3:], "the batch did not take the device released while it ran"

@@ -6,6 +6,7 @@ Every batch must equal, bit for bit, the module run item by item on a local
 device (test_farm_batch._local)."""
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -46,13 +47,14 @@ def _same_as(results, reference) -> None:
 
 # ---------------------------------------------------------------- a node killed mid-batch
 
-@pytest.fixture
-def two_nodes(monkeypatch):
+@contextlib.contextmanager
+def _test_cluster(monkeypatch, devices_on_the_second: bool = True):
     """Ray's multi-node test cluster: a head and one more node, one small
-    device pinned to each.  It works with the loopback switch on (this
-    process's): the Cluster starts its nodes itself, not through `ray start
-    --address` (which the switch refuses), and puts every node on 127.0.0.1,
-    where nodes and driver reach each other; objects cross between them."""
+    device pinned to the head, and one to the other node unless the test
+    adds it later (``spawn_second``).  It works with the loopback switch on
+    (this process's): the Cluster starts its nodes itself, not through `ray
+    start --address` (which the switch refuses), and puts every node on
+    127.0.0.1, where nodes and driver reach each other; objects cross."""
     work = tempfile.mkdtemp(prefix="dspx-nodes-", dir="/tmp")  # short: Ray's socket paths live under it
     # The Cluster writes its address to Ray's default temp dir, /tmp/ray, shared by every user here: not there.
     monkeypatch.setenv("RAY_TMPDIR", work)
@@ -64,13 +66,20 @@ def two_nodes(monkeypatch):
         cluster.connect(clu.address)
         ray.get(broker.get().status.remote(), timeout=120)  # the lease broker, as `farm up` makes it
         other = clu.add_node(num_cpus=1, resources={"dspx:sim": 1}, object_store_memory=100 << 20, temp_dir=ray_dir)
-        handles = [actors.spawn("sim", i, device_args=SMALL, node=n.node_id) for i, n in enumerate((head, other))]
-        actors.wait_ready(handles, timeout=300)
+        nodes = (head, other) if devices_on_the_second else (head,)
+        actors.wait_ready([actors.spawn("sim", i, device_args=SMALL, node=n.node_id) for i, n in enumerate(nodes)],
+                          timeout=300)
         yield clu, head, other
     finally:
         cluster.disconnect()  # first: the Cluster refuses to remove the node its driver is on
         clu.shutdown()
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture
+def two_nodes(monkeypatch):
+    with _test_cluster(monkeypatch) as nodes:
+        yield nodes
 
 
 def test_a_node_killed_mid_batch_costs_its_items_a_move_to_the_surviving_node(two_nodes, module, shared_device):
@@ -97,6 +106,26 @@ def test_a_node_killed_mid_batch_costs_its_items_a_move_to_the_surviving_node(tw
     moved = [r for r in results if r.attempt > 1]
     assert moved, "no item shows the attempt it lost with the killed node"
     assert all(r.node == head.node_id and r.device == "sim-0" and r.attempt == 2 for r in moved), moved
+
+
+def test_a_device_that_joins_mid_batch_takes_work_from_it(monkeypatch, tmp_path):
+    from spin_ops import SOURCE, SPIN
+
+    lib = tmp_path / "spin.py"
+    lib.write_text(SOURCE)
+    ms = np.full((80, 1), 100, "<i4").view(np.uint8)  # 80 cases of 100 ms: 8 s on one device
+    cases = dspx.farm.ops.read_cases({"input": ms, "cmd": np.int64(SPIN), "output_bytes": np.int64(4)})
+    with _test_cluster(monkeypatch, devices_on_the_second=False) as (clu, head, other):
+        seen = []
+
+        def on_result(r):
+            seen.append(r.device)
+            if len(seen) == 2:  # the batch runs on sim-0 alone: a device joins on the second node
+                actors.spawn("sim", 1, device_args=SMALL, node=other.node_id)
+
+        results = dspx.farm.ops.run_cases(lib, cases, chunk=1, on_result=on_result)
+    assert all(r.output.tobytes() == b"RUN!" and r.error is None for r in results)
+    assert seen[:2] == ["sim-0", "sim-0"] and "sim-1" in seen[2:], seen
 
 
 # ---------------------------------------------------------------- farm up --listen, join, leave

@@ -190,7 +190,9 @@ def spread(method: str, paths: Sequence[Path], items: list, *, key: str = DEFAUL
     adjusted = time.monotonic()
 
     def grow(wait: float | None = 0) -> None:
-        while len(held) < len(devices):
+        """Lease devices until none is free (the first waited for ``wait`` s):
+        the broker knows devices that joined since the batch started."""
+        while True:
             try:
                 lease = _leases.acquire(key, timeout=None, queue_timeout=wait, user=user, kind="batch")
             except _leases.QueueTimeout:
