@@ -300,3 +300,11 @@ def test_a_batch_takes_a_device_that_comes_free_while_it_runs(farm, tmp_path):
     assert all(r.output.tobytes() == b"RUN!" for r in results)
     assert set(seen[:3]) == {({"sim-0", "sim-1"} - {held.device}).pop()}
     assert held.device in seen[3:], "the batch did not take the device released while it ran"
+
+
+def test_a_lease_on_another_machine_says_where_its_device_is():
+    grant = {"id": 7, "key": "sim", "device": "sim-3", "node": "n" * 56, "socket": "/tmp/x/dsp0.sock",
+             "host": "elsewhere.example", "user": "u", "priority": 0, "limit": None}
+    lease = dspx.farm.Lease(grant, broker=None)
+    with pytest.raises(dspx.farm.FarmError, match=r"sim-3 is on elsewhere\.example, not this machine"):
+        lease.client

@@ -137,3 +137,17 @@ def test_c_source_is_refused_with_the_build_command(farm, tmp_path):
     cli = CliRunner().invoke(main, ["farm", "ops", str(tmp_path / "op.c"), "--cases", str(tmp_path / "cases.npz"),
                                     "--farm", farm.address])
     assert cli.exit_code == 1 and "build it first with `dspx build-ops" in cli.output, cli.output
+
+
+def test_an_existing_or_non_npz_output_is_refused_before_anything_runs(library, tmp_path):
+    inp, expected = _cases(2, seed=3)
+    np.savez(tmp_path / "cases.npz", input=inp, cmd=np.int64(ADD_ONE), expected=expected)
+    mine = tmp_path / "mine.npz"
+    mine.write_bytes(b"a user's file")
+    args = ["farm", "ops", str(library), "--cases", str(tmp_path / "cases.npz"), "--farm", "127.0.0.1:9"]
+    cli = CliRunner().invoke(main, [*args, "-o", str(mine)])
+    assert cli.exit_code == 2 and "exists: it is not overwritten" in cli.output, cli.output
+    assert mine.read_bytes() == b"a user's file"
+    cli = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "out.txt")])
+    assert cli.exit_code == 2 and "the outputs are written as .npz" in cli.output, cli.output
+    assert not (tmp_path / "out.txt").exists()

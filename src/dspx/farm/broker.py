@@ -83,7 +83,7 @@ class Broker:
         self.user_cap = user_cap
         self.devices: dict[str, list[str]] = {}    # key -> device names
         self.handles: dict[str, object] = {}
-        self.nodes: dict[str, str] = {}            # device -> its Ray node (learnt when a lease names a node)
+        self.nodes: dict[str, str] = {}            # device -> its Ray node (learnt from its endpoint)
         self.discovered = 0.0
         self.held: dict[str, Held] = {}            # device -> its lease
         self.restarting: set[str] = set()
@@ -129,13 +129,9 @@ class Broker:
 
     def _dispatch(self, key: str) -> None:
         queue = self.queues.get(key, [])
-        for w in sorted(queue, key=lambda w: (-w.priority, w.seq)):
-            if w.future.done():
-                continue
+        for w in sorted(queue, key=lambda w: (-w.priority, w.seq)):  # a waiter leaves the queue with its future
             free = self._free(key, w.node)
-            if not free:
-                continue
-            if not self._eligible(w):
+            if not free or not self._eligible(w):
                 continue
             device = free[0]
             self.held[device] = Held(next(self.ids), key, device, w.user, w.priority, w.kind, time.monotonic(),
@@ -186,6 +182,7 @@ class Broker:
             self._restart(device)
             return {"error": "lost", "key": key, "device": device}
         held.node, held.socket, held.host = ep["node"], ep["socket"], ep["host"]
+        self.nodes[device] = ep["node"]
         return held.public(time.monotonic())
 
     async def release(self, lease_id: int) -> dict:

@@ -136,10 +136,12 @@ class Lease:
         """Raise ``RunTimeout`` if the broker reclaimed the device."""
         out = self.outcome()
         if out.get("state") == "reclaimed":
-            raise RunTimeout(f"lease {self.id} on {self.device} ({self.key}) ran past its run limit of "
-                             f"{out['limit']:g} s: the device was reclaimed (restarted) after "
-                             f"{out['held_s']:.1f} s", self.key, out["limit"], out["held_s"], device=self.device,
-                             lease=self.id)
+            raise self._reclaimed(out)
+
+    def _reclaimed(self, out: dict) -> RunTimeout:
+        return RunTimeout(f"lease {self.id} on {self.device} ({self.key}) ran past its run limit of "
+                          f"{out['limit']:g} s: the device was reclaimed (restarted) after {out['held_s']:.1f} s",
+                          self.key, out["limit"], out["held_s"], device=self.device, lease=self.id)
 
     def release(self) -> dict:
         """Give the device back (once; later calls return the same outcome)."""
@@ -158,10 +160,7 @@ class Lease:
     def __exit__(self, exc_type, exc, tb) -> None:
         out = self.release()
         if out.get("state") == "reclaimed":
-            err = RunTimeout(f"lease {self.id} on {self.device} ({self.key}) ran past its run limit of "
-                             f"{out['limit']:g} s: the device was reclaimed (restarted) after {out['held_s']:.1f} s",
-                             self.key, out["limit"], out["held_s"], device=self.device, lease=self.id)
-            raise err from exc
+            raise self._reclaimed(out) from exc
 
 
 def _refused(reply: dict) -> FarmError:

@@ -40,7 +40,6 @@ is the only sender: one ingress replica), so its answer is exact.
 # definition time, and fastapi is imported inside _ingress_app, as serve_llm does)
 import asyncio
 import hashlib
-import hmac
 import json
 import logging
 import os
@@ -53,7 +52,7 @@ from dataclasses import dataclass, field
 import ray
 from ray import serve
 
-from ..host.serve_llm import APIError, Limits
+from ..host.serve_llm import APIError, Limits, check_api_key
 
 log = logging.getLogger("dspx.farm.serve")
 
@@ -339,16 +338,6 @@ class Replica:
 
 # ---------------------------------------------------------------- the ingress
 
-def _authorized(api_key: str | None, header: str) -> bool:
-    return api_key is None or hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode())
-
-
-def _unauthorized() -> APIError:
-    # serve-llm's own words for it (dspx.host.serve_llm.create_app)
-    return APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the key "
-                         "serve-llm was started with", code="invalid_api_key")
-
-
 def _json_or_none(raw: bytes):
     from ..host.serve_llm import parse_json
 
@@ -399,8 +388,7 @@ def _ingress_app(ing: Ingress):
 
     @app.get("/dspx/replicas")
     async def replicas(request: Request):
-        if not _authorized(settings.api_key, request.headers.get("authorization", "")):
-            raise _unauthorized()
+        check_api_key(settings.api_key, request.headers.get("authorization", ""))
         try:
             return await asyncio.wait_for(asyncio.gather(*[r.info.remote() for r in ing.replicas]), INFO_TIMEOUT)
         except asyncio.TimeoutError:
@@ -409,8 +397,7 @@ def _ingress_app(ing: Ingress):
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
     async def forward(request: Request, path: str):
-        if not _authorized(settings.api_key, request.headers.get("authorization", "")):
-            raise _unauthorized()
+        check_api_key(settings.api_key, request.headers.get("authorization", ""))
         raw = await _read_body(request, settings.limits)
         body = await asyncio.to_thread(_json_or_none, raw) if raw else None  # off the event loop: up to max_body
         generation = request.method == "POST" and request.url.path in GENERATION_PATHS

@@ -49,6 +49,7 @@ token).
 # definition time, and fastapi is imported inside create_app so the CLI loads without the extra)
 import asyncio
 import concurrent.futures
+import hmac
 import http
 import json
 import math
@@ -367,6 +368,15 @@ async def _disconnected(request) -> None:
         pass
 
 
+def check_api_key(api_key: str | None, authorization: str) -> None:
+    """Refuse a request whose Authorization header is not ``Bearer <api_key>``
+    (compared in constant time: a key must not leak through how long a
+    refusal takes); no key, no check."""
+    if api_key is not None and not hmac.compare_digest(authorization.encode(), f"Bearer {api_key}".encode()):
+        raise APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the key "
+                            "serve-llm was started with", code="invalid_api_key")
+
+
 def create_app(service: LLMService, api_key: str | None = None, limits: Limits = Limits()):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
@@ -382,9 +392,7 @@ def create_app(service: LLMService, api_key: str | None = None, limits: Limits =
     app.add_middleware(RequestLog)  # added last: outermost, so it logs the gate's 503s too
 
     def authorize(request: Request) -> None:
-        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
-            raise APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with the key "
-                                "serve-llm was started with", code="invalid_api_key")
+        check_api_key(api_key, request.headers.get("authorization", ""))
 
     @app.get("/v1/models")
     async def models(request: Request):
